@@ -1,0 +1,34 @@
+"""User-facing errors.
+
+A `UserError` is a mistake in what the user asked for (a setting, a path, a checkpoint). Its
+message is one sentence that names the setting and the fix; the CLI prints it and exits with
+code 2, never a traceback. Anything else escaping is a bug in longctx.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+
+class UserError(Exception):
+    """Bad input from the user: one sentence naming the setting and the fix."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    """A configuration value that is unknown, of the wrong type, or out of range."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, corrupt, or does not match the model."""
+
+
+class DataError(UserError):
+    """A data path that is missing, empty, or not text."""
+
+
+def did_you_mean(name: str, choices) -> str:
+    """' did you mean X?' for the closest choice, or '' when nothing is close."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
