@@ -1,0 +1,134 @@
+"""Training checkpoints: model, optimizer, data position, RNG, router balancing state — atomically.
+
+Layout of an output directory:
+    DIR/ckpt-000120/            one complete checkpoint (weights in our safetensors layout + state)
+    DIR/checkpoint -> ckpt-000120   a symlink, flipped with os.replace only after the new
+                                    checkpoint is fully written and fsynced
+So a crash or Ctrl-C mid-write never leaves `DIR/checkpoint` pointing at a partial checkpoint,
+and the previous one stays until the new one is in place. The MoE router's selection bias is a
+buffer, so it travels with the weights; pending balancer updates are applied before saving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from .errors import CheckpointError
+
+LINK = "checkpoint"
+KEEP = 2
+
+
+def _fsync_dir(path: str):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def rng_state() -> dict:
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict):
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save(out_dir: str, step: int, model, optimizer, trainer_state: dict, config_dict: dict) -> str:
+    """Write DIR/ckpt-<step>/ then flip DIR/checkpoint to it. Returns the checkpoint path."""
+    os.makedirs(out_dir, exist_ok=True)
+    name = f"ckpt-{step:06d}"
+    final = os.path.join(out_dir, name)
+    tmp = final + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    save_file(sd, os.path.join(tmp, "model.safetensors"))
+    with open(os.path.join(tmp, "longctx_config.json"), "w") as f:
+        f.write(model.cfg.to_json())
+    with open(os.path.join(tmp, "train_config.json"), "w") as f:
+        json.dump(config_dict, f, indent=2, default=str)
+    torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None,
+                "trainer": trainer_state, "rng": rng_state(), "step": step}, os.path.join(tmp, "trainer_state.pt"))
+    for fn in os.listdir(tmp):
+        with open(os.path.join(tmp, fn), "rb") as f:
+            os.fsync(f.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    _fsync_dir(out_dir)
+    link_tmp = os.path.join(out_dir, LINK + ".new")
+    if os.path.lexists(link_tmp):
+        os.remove(link_tmp)
+    os.symlink(name, link_tmp)
+    os.replace(link_tmp, os.path.join(out_dir, LINK))
+    _fsync_dir(out_dir)
+    olds = sorted(d for d in os.listdir(out_dir) if d.startswith("ckpt-") and not d.endswith(".partial") and d != name)
+    for d in olds[: max(0, len(olds) - (KEEP - 1))]:
+        shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
+    return final
+
+
+def resolve(path: str) -> str:
+    """A run directory (its `checkpoint` link) or a checkpoint directory -> the checkpoint directory."""
+    if os.path.isdir(os.path.join(path, LINK)):
+        return os.path.realpath(os.path.join(path, LINK))
+    if os.path.exists(os.path.join(path, "trainer_state.pt")) or os.path.exists(os.path.join(path, "longctx_config.json")):
+        return path
+    raise CheckpointError(
+        f"--checkpoint {path!r} holds no checkpoint; pass a run directory written by `longctx train` or a ckpt-* folder in it."
+    )
+
+
+def load(path: str, model, optimizer=None, device=None) -> dict:
+    """Load weights (and optimizer + RNG) into the given objects; returns the trainer state dict."""
+    ck = resolve(path)
+    try:
+        sd = load_file(os.path.join(ck, "model.safetensors"), device=str(device or "cpu"))
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {ck!r} is corrupt ({type(exc).__name__}: {exc}); resume from an earlier ckpt-* folder or start afresh.") from None
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {ck!r} does not match the model (missing {missing[:4]}, unexpected {unexpected[:4]}); "
+            "resume with the same model settings it was written with."
+        )
+    state_file = os.path.join(ck, "trainer_state.pt")
+    if not os.path.exists(state_file):
+        return {}
+    try:
+        st = torch.load(state_file, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {ck!r} has a corrupt trainer_state.pt ({type(exc).__name__}); resume from an earlier ckpt-* folder.") from None
+    if optimizer is not None and st.get("optimizer") is not None:
+        optimizer.load_state_dict(st["optimizer"])
+    if st.get("rng") is not None:
+        set_rng_state(st["rng"])
+    return {"step": st.get("step", 0), **(st.get("trainer") or {})}
+
+
+def read_model_config(path: str) -> dict:
+    ck = resolve(path)
+    try:
+        with open(os.path.join(ck, "longctx_config.json")) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {ck!r} has no readable longctx_config.json ({exc}); it is corrupt or not a longctx checkpoint.") from None

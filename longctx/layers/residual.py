@@ -1,0 +1,170 @@
+"""Residual connections between sub-layers: mHC, Block Attention Residuals, or plain.
+
+Every sub-layer (the token mixer and the MLP of each block) reads its input from the residual
+*state* and writes its output back through one of these modules:
+
+    x, ctx = res.enter(state)       # the sub-layer's input [B, S, D]
+    state  = res.exit(state, ctx, y)  # y = sub-layer(norm(x))
+
+and a model-level `*Stream` turns embeddings into the initial state and the final state into the
+hidden [B, S, D] that goes to the head. The state is what full recompute keeps (and offload moves)
+per layer, so its size is the memory story: mHC's state is 4 streams wide, plain's is one.
+
+- mHC (manifold-constrained hyper-connections; GLM-5.3-Flash): state [B, S, n, D]. The
+  coefficients come from an fp32 projection of the RMS-normalised flattened streams. That fp32
+  copy of the input is what autograd would save; `recompute_cast=True` (default) checkpoints the
+  small projection so backward recasts it from the bf16 streams instead (seed 000: 8 GiB at 512k).
+- Block Attention Residuals (Kimi, arXiv 2603.15031): state = (completed block sums, partial sum
+  of the current block). Each sub-layer's input is a softmax-weighted sum of the sources, weighted
+  by a zero-initialised pseudo-query against RMS-normalised sources.
+- plain: state [B, S, D], x + y.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ModelConfig
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+# ----------------------------------------------------------------------------------------- mHC
+def _mhc_project(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    flat = streams.flatten(-2).float()
+    return F.linear(_rms(flat, eps), fn.float())
+
+
+class MHC(nn.Module):
+    """One mHC connection: collapse n streams into the sub-layer input, expand its output back."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        n = self.n = cfg.hc_streams
+        self.iters, self.hc_eps, self.norm_eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.fn = nn.Parameter(torch.randn((2 + n) * n, n * cfg.hidden_size) * cfg.init_std)
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        self.recompute_cast = True
+
+    def coefficients(self, streams: torch.Tensor):
+        n = self.n
+        if self.recompute_cast and torch.is_grad_enabled() and streams.requires_grad:
+            mixed = checkpoint(_mhc_project, streams, self.fn, self.norm_eps, use_reentrant=False)
+        else:
+            mixed = _mhc_project(streams, self.fn, self.norm_eps)
+        pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        s_pre, s_post, s_comb = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * s_comb + comb_b.view(n, n), dim=-1) + self.hc_eps
+        # Sinkhorn: columns first, then (iters - 1) rounds of rows and columns -> doubly stochastic.
+        comb = comb / (comb.sum(-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + self.hc_eps)
+        return pre, post, comb
+
+    def enter(self, streams: torch.Tensor):
+        pre, post, comb = self.coefficients(streams)
+        x = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
+        return x, (post, comb)
+
+    def exit(self, streams: torch.Tensor, ctx, y: torch.Tensor) -> torch.Tensor:
+        post, comb = ctx
+        dt = streams.dtype
+        # out[i] = post[i] * y + sum_j comb[j, i] * streams[j]
+        return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
+
+
+class MHCStream(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n = cfg.hc_streams
+
+    def init(self, h: torch.Tensor) -> torch.Tensor:
+        return h.unsqueeze(-2).expand(*h.shape[:-1], self.n, h.shape[-1]).contiguous()
+
+    def final(self, streams: torch.Tensor) -> torch.Tensor:
+        return streams.mean(-2)
+
+
+# --------------------------------------------------------------------------------------- plain
+class Plain(nn.Module):
+    def enter(self, h):
+        return h, None
+
+    def exit(self, h, ctx, y):
+        return h + y
+
+
+class PlainStream(nn.Module):
+    def init(self, h):
+        return h
+
+    def final(self, h):
+        return h
+
+
+# ------------------------------------------------------------------- block attention residuals
+class AttnResQuery(nn.Module):
+    """A zero-initialised pseudo-query attending over the block sources (softmax over sources)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(cfg.hidden_size))
+        self.key_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.eps = cfg.rms_norm_eps
+
+    def aggregate(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        v = torch.stack(sources, dim=-2)  # [B, S, n_src, D]
+        k = _rms(v.float(), self.eps) * self.key_norm.float()
+        w = torch.softmax(k @ self.query.float(), dim=-1)  # [B, S, n_src]
+        return (w.unsqueeze(-1) * v.float()).sum(-2).to(v.dtype)
+
+
+class AttnRes(AttnResQuery):
+    """A sub-layer's connection; `closes_block` pushes the partial sum as a new block source."""
+
+    def __init__(self, cfg: ModelConfig, closes_block: bool):
+        super().__init__(cfg)
+        self.closes_block = closes_block
+
+    def enter(self, state):
+        blocks, partial = state
+        return self.aggregate(list(blocks) + ([partial] if partial is not None else [])), None
+
+    def exit(self, state, ctx, y):
+        blocks, partial = state
+        partial = y if partial is None else partial + y
+        if self.closes_block:
+            return (tuple(blocks) + (partial,), None)
+        return (tuple(blocks), partial)
+
+
+class AttnResStream(AttnResQuery):
+    def init(self, h):
+        return ((h,), None)
+
+    def final(self, state):
+        blocks, partial = state
+        return self.aggregate(list(blocks) + ([partial] if partial is not None else []))
+
+
+def build_residuals(cfg: ModelConfig):
+    """(stream, [(mixer_res, mlp_res) per layer]) for cfg.residual."""
+    L = cfg.num_layers
+    if cfg.residual == "mhc":
+        return MHCStream(cfg), [(MHC(cfg), MHC(cfg)) for _ in range(L)]
+    if cfg.residual == "plain":
+        return PlainStream(), [(Plain(), Plain()) for _ in range(L)]
+    n_sub = 2 * L
+    per_block = max(1, -(-n_sub // cfg.attnres_blocks))
+    closes = [(j + 1) % per_block == 0 for j in range(n_sub)]
+    return AttnResStream(cfg), [(AttnRes(cfg, closes[2 * i]), AttnRes(cfg, closes[2 * i + 1])) for i in range(L)]

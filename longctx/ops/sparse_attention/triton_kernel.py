@@ -1,0 +1,312 @@
+"""Triton DSA sparse attention (absorbed NoPE MLA: one latent row per token is key and value).
+
+Computes, for every query t and head h with the selected indices I_t (-1 = unused slot),
+
+    o[t, h] = sum_{j in I_t} softmax_j(scale * q[t, h] . kv[j]) kv[j]
+
+the same function as `naive.sparse_attention_torch`, with gradients for q and kv.
+
+Why this shape of kernel: the heads of one query all read the same selected rows, so one program
+per query (and group of up to 64 heads) makes the heads the MMA M dimension and gathers each
+latent row once per tile for all of them. The row is both key and value, so one gathered tile
+feeds both the score product and the value product. The backward recomputes P from the saved
+log-sum-exp, keeps dQ in registers for the whole index list, and scatters dKV with fp32 atomics
+(one query's rows are distinct tokens, but different queries hit the same rows).
+
+Runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (the CPU tests do that).
+Shapes it cannot take raise a ValueError; there is no fallback path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_MAX_HEADS = 128
+_MAX_D = 512
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _sparse_attn_fwd(
+    Q, KV, IDX, O, LSE,
+    qk_scale,  # scale * log2(e): scores live in the log2 domain
+    stride_qb, stride_qs, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_is,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_ls,
+    S_kv, H,
+    K: tl.constexpr,  # slots per query; constexpr so the interpreter (numpy>=2.3) can loop over it
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BLOCK_H
+    b = tl.program_id(2).to(tl.int64)
+
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < H
+    d_ok = offs_d < D
+
+    q_ptrs = Q + b * stride_qb + t * stride_qs + offs_h[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+
+    kv_base = KV + b * stride_kvb
+    idx_base = IDX + b * stride_ib + t * stride_is
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+
+    for n0 in range(0, K, BLOCK_N):
+        slot = n0 + offs_n
+        j = tl.load(idx_base + slot, mask=slot < K, other=-1).to(tl.int64)
+        valid = (j >= 0) & (j < S_kv)
+        k = tl.load(kv_base + j[:, None] * stride_kvs + offs_d[None, :],
+                    mask=valid[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing valid yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if IEEE:
+            acc = tl.dot(p.to(k.dtype), k, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(k.dtype), k, acc)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    o_ptrs = O + b * stride_ob + t * stride_os + offs_h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+    # natural-log LSE, -inf where the query selected nothing (as the torch twin returns)
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) / 1.4426950408889634)
+    tl.store(LSE + b * stride_lb + t * stride_ls + offs_h, lse, mask=h_ok)
+
+
+@triton.jit
+def _sparse_attn_bwd(
+    Q, KV, IDX, O, DO, LSE, DQ, DKV,
+    scale, qk_scale,
+    stride_qb, stride_qs, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_is,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_ls,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_dkb, stride_dks,
+    S_kv, H,
+    K: tl.constexpr,  # slots per query; constexpr so the interpreter (numpy>=2.3) can loop over it
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BLOCK_H
+    b = tl.program_id(2).to(tl.int64)
+
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < H
+    d_ok = offs_d < D
+    hd_ok = h_ok[:, None] & d_ok[None, :]
+
+    q = tl.load(Q + b * stride_qb + t * stride_qs + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=hd_ok, other=0.0)
+    do = tl.load(DO + b * stride_dob + t * stride_dos + offs_h[:, None] * stride_doh + offs_d[None, :],
+                 mask=hd_ok, other=0.0)
+    o = tl.load(O + b * stride_ob + t * stride_os + offs_h[:, None] * stride_oh + offs_d[None, :],
+                mask=hd_ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rowsum(dO * O)
+    lse = tl.load(LSE + b * stride_lb + t * stride_ls + offs_h, mask=h_ok, other=0.0)
+    # padded heads and queries with nothing selected: any finite value, their p is masked to 0
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+
+    kv_base = KV + b * stride_kvb
+    dkv_base = DKV + b * stride_dkb
+    idx_base = IDX + b * stride_ib + t * stride_is
+    dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+
+    for n0 in range(0, K, BLOCK_N):
+        slot = n0 + offs_n
+        j = tl.load(idx_base + slot, mask=slot < K, other=-1).to(tl.int64)
+        valid = (j >= 0) & (j < S_kv)
+        nd_ok = valid[:, None] & d_ok[None, :]
+        k = tl.load(kv_base + j[:, None] * stride_kvs + offs_d[None, :], mask=nd_ok, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+            dp = tl.dot(do, tl.trans(k))
+        keep = valid[None, :] & h_ok[:, None]
+        p = tl.where(keep, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        ds_lo = ds.to(k.dtype)
+        p_lo = p.to(k.dtype)
+        if IEEE:
+            dq = tl.dot(ds_lo, k, dq, input_precision="ieee")
+            dkv = tl.dot(tl.trans(p_lo), do, input_precision="ieee")
+            dkv = tl.dot(tl.trans((ds * scale).to(k.dtype)), q, dkv, input_precision="ieee")
+        else:
+            dq = tl.dot(ds_lo, k, dq)
+            dkv = tl.dot(tl.trans(p_lo), do)
+            dkv = tl.dot(tl.trans((ds * scale).to(k.dtype)), q, dkv)
+        tl.atomic_add(dkv_base + j[:, None] * stride_dks + offs_d[None, :], dkv, mask=nd_ok, sem="relaxed")
+
+    dq = dq * scale
+    tl.store(DQ + b * stride_dqb + t * stride_dqs + offs_h[:, None] * stride_dqh + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=hd_ok)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> None:
+    """Raise a ValueError naming the shape when the kernel cannot take it."""
+    if q.dim() != 4 or kv.dim() != 3 or idx.dim() != 3:
+        raise ValueError(
+            f"sparse_attention_triton: expected q [B,S,H,D], kv [B,S_kv,D], idx [B,S,K]; "
+            f"got q {tuple(q.shape)}, kv {tuple(kv.shape)}, idx {tuple(idx.shape)}"
+        )
+    B, S, H, D = q.shape
+    if kv.shape[0] != B or kv.shape[2] != D or idx.shape[0] != B or idx.shape[1] != S:
+        raise ValueError(
+            f"sparse_attention_triton: shapes disagree: q {tuple(q.shape)}, kv {tuple(kv.shape)}, "
+            f"idx {tuple(idx.shape)} (need kv [B,S_kv,D] and idx [B,S,K])"
+        )
+    if D % 16 != 0 or not 16 <= D <= _MAX_D:
+        raise ValueError(f"sparse_attention_triton: latent width D={D} unsupported; D must be a multiple of 16 in [16, {_MAX_D}]")
+    if not 1 <= H <= _MAX_HEADS:
+        raise ValueError(f"sparse_attention_triton: H={H} heads unsupported; supported 1..{_MAX_HEADS}")
+    if q.dtype not in _DTYPES or kv.dtype != q.dtype:
+        raise ValueError(
+            f"sparse_attention_triton: dtypes q {q.dtype}, kv {kv.dtype} unsupported; "
+            f"q and kv must share one of bfloat16, float16, float32"
+        )
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"sparse_attention_triton: idx dtype {idx.dtype} unsupported; use int32 (or int64)")
+    devs = {q.device, kv.device, idx.device}
+    if len(devs) != 1:
+        raise ValueError(f"sparse_attention_triton: tensors on different devices {sorted(map(str, devs))}")
+    dev = q.device
+    if dev.type != "cuda" and not (dev.type == "cpu" and _interpreting()):
+        raise ValueError(
+            f"sparse_attention_triton: device {dev} unsupported; needs CUDA tensors "
+            f"(or CPU tensors with TRITON_INTERPRET=1)"
+        )
+
+
+def _cfg(H: int, D: int, backward: bool) -> dict:
+    """Tile sizes: up to 64 heads per program (an fp32 [64, 512] accumulator is what fits)."""
+    block_h = 64 if H > 32 else max(16, triton.next_power_of_2(H))
+    block_d = triton.next_power_of_2(D)
+    if backward:
+        block_n = 16 if block_h * block_d > 64 * 256 else 32
+    else:
+        block_n = 32 if block_h * block_d > 64 * 256 else 64
+    warps = 8 if block_h * block_d >= 64 * 256 else 4
+    return dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=warps, num_stages=2)
+
+
+def _last_contig(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def sparse_attention_fwd(q, kv, idx, scale, cfg=None):
+    """Forward only: returns (o [B,S,H,D] in q's dtype, lse [B,S,H] fp32, natural log)."""
+    _check(q, kv, idx)
+    q, kv, idx = _last_contig(q), _last_contig(kv), _last_contig(idx)
+    B, S, H, D = q.shape
+    K = idx.shape[2]
+    c = dict(_cfg(H, D, False), **(cfg or {}))
+    o = torch.empty_like(q)
+    lse = torch.empty(B, S, H, device=q.device, dtype=torch.float32)
+    if S == 0 or B == 0:
+        return o, lse
+    grid = (S, triton.cdiv(H, c["BLOCK_H"]), B)
+    _sparse_attn_fwd[grid](
+        q, kv, idx, o, lse, scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        idx.stride(0), idx.stride(1),
+        o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
+        kv.shape[1], H, K=K,
+        D=D, BLOCK_D=c["BLOCK_D"], BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
+        IEEE=q.dtype == torch.float32,
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    return o, lse
+
+
+def sparse_attention_bwd(q, kv, idx, o, lse, do, scale, cfg=None):
+    """Backward: returns (dq like q, dkv like kv). dkv is summed in an fp32 buffer by atomics."""
+    q, kv, idx, o, do = (_last_contig(x) for x in (q, kv, idx, o, do))
+    B, S, H, D = q.shape
+    K = idx.shape[2]
+    c = dict(_cfg(H, D, True), **(cfg or {}))
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
+    if S == 0 or B == 0:
+        return dq, dkv.to(kv.dtype)
+    grid = (S, triton.cdiv(H, c["BLOCK_H"]), B)
+    _sparse_attn_bwd[grid](
+        q, kv, idx, o, do, lse, dq, dkv,
+        scale, scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        idx.stride(0), idx.stride(1),
+        o.stride(0), o.stride(1), o.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        lse.stride(0), lse.stride(1),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        dkv.stride(0), dkv.stride(1),
+        kv.shape[1], H, K=K,
+        D=D, BLOCK_D=c["BLOCK_D"], BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
+        IEEE=q.dtype == torch.float32,
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    return dq, dkv.to(kv.dtype)
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, idx, scale):
+        o, lse = sparse_attention_fwd(q, kv, idx, scale)
+        ctx.save_for_backward(q, kv, idx, o, lse)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, kv, idx, o, lse = ctx.saved_tensors
+        dq, dkv = sparse_attention_bwd(q, kv, idx, o, lse, do, ctx.scale)
+        return dq, dkv, None, None
+
+
+def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B,S,H,D], kv [B,S_kv,D], idx [B,S,K] int32 (-1 = unused) -> o [B,S,H,D]; differentiable in q, kv.
+
+    Indices must lie in [-1, S_kv); any order. A query with only -1 gets a zero output.
+    """
+    _check(q, kv, idx)
+    if not math.isfinite(scale):
+        raise ValueError(f"sparse_attention_triton: scale={scale} must be finite")
+    return _SparseAttention.apply(q, kv, idx, float(scale))

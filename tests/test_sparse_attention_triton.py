@@ -1,0 +1,124 @@
+"""The Triton DSA kernel against the torch twin, on the CPU through the Triton interpreter.
+
+`TRITON_INTERPRET=1` must be set before triton is first imported, and other test modules import
+triton earlier in the same pytest process, so the checks run in a fresh subprocess (this file run
+as a script) that prints one JSON line per case; the pytest side asserts on those numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (name, B, S, S_kv, H, D, K, p_unused)
+CASES = [
+    ("h2_d32_k13", 2, 19, 19, 2, 32, 13, 0.3),  # K below one tile
+    ("h16_d64_k13_kvlong", 1, 19, 23, 16, 64, 13, 0.3),  # H = MMA minimum, S_kv != S
+    ("h5_d48_k70", 1, 11, 17, 5, 48, 70, 0.4),  # D not a power of two, K over several tiles, ragged
+    ("h72_d32_k21", 1, 6, 9, 72, 32, 21, 0.2),  # two head groups, the second partial
+]
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _run_cases() -> None:
+    """Subprocess body: TRITON_INTERPRET=1 is already in the environment."""
+    import torch
+
+    from longctx.ops.sparse_attention.naive import sparse_attention_torch
+    from longctx.ops.sparse_attention.triton_kernel import sparse_attention_fwd, sparse_attention_triton
+
+    g = torch.Generator().manual_seed(1234)
+    for name, B, S, Skv, H, D, K, p_unused in CASES:
+        # q as a strided view (last dim contiguous, head stride padded) to exercise the strides
+        q = torch.randn(B, S, H, D + 16, generator=g)[..., :D].requires_grad_(True)
+        kv = torch.randn(B, Skv, D, generator=g).requires_grad_(True)
+        idx = torch.randint(0, Skv, (B, S, K), generator=g, dtype=torch.int32)
+        idx[torch.rand(B, S, K, generator=g) < p_unused] = -1
+        idx[0, 1] = -1  # a query that selects nothing: zero output, zero grads
+        scale = D**-0.5
+        do = torch.randn(B, S, H, D, generator=g)
+
+        o = sparse_attention_triton(q, kv, idx, scale)
+        dq, dkv = torch.autograd.grad(o, (q, kv), do)
+        _, lse = sparse_attention_fwd(q.detach(), kv.detach(), idx, scale)
+
+        o_ref, lse_ref = sparse_attention_torch(q, kv, idx, scale, chunk=7, return_lse=True)
+        dq_ref, dkv_ref = torch.autograd.grad(o_ref, (q, kv), do)
+
+        fin = torch.isfinite(lse_ref)
+        res = dict(
+            name=name,
+            o=_rel(o, o_ref),
+            dq=_rel(dq, dq_ref),
+            dkv=_rel(dkv, dkv_ref),
+            lse=_rel(lse[fin], lse_ref[fin]),
+            lse_inf_match=bool(torch.equal(torch.isinf(lse), ~fin)),
+            empty_zero=float(o[0, 1].abs().max() + dq[0, 1].abs().max()),
+        )
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT ") :])
+            out[r["name"]] = r
+    return out
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_matches_torch_twin_fp32(interp_results, case):
+    r = interp_results[case]
+    assert r["o"] < 1e-4, r
+    assert r["dq"] < 1e-4, r
+    assert r["dkv"] < 1e-4, r
+    assert r["lse"] < 1e-5, r
+    assert r["lse_inf_match"], r
+    assert r["empty_zero"] == 0.0, r
+
+
+def test_rejects_unsupported_shapes():
+    import torch
+
+    from longctx.ops.sparse_attention.triton_kernel import sparse_attention_triton
+
+    kv = torch.randn(1, 8, 32)
+    idx = torch.zeros(1, 8, 4, dtype=torch.int32)
+    bad = [
+        (torch.randn(1, 8, 2, 24), torch.randn(1, 8, 24), idx, "D=24"),  # D not a multiple of 16
+        (torch.randn(1, 8, 129, 32), kv, idx, "H=129"),
+        (torch.randn(1, 8, 2, 1024), torch.randn(1, 8, 1024), idx, "D=1024"),
+        (torch.randn(1, 8, 2, 32, dtype=torch.float64), kv.double(), idx, "float64"),
+        (torch.randn(1, 8, 2, 32), kv.half(), idx, "float16"),
+        (torch.randn(1, 8, 2, 32), kv, idx.float(), "idx dtype"),
+        (torch.randn(1, 7, 2, 32), kv, idx, "shapes disagree"),
+    ]
+    for q, k, i, what in bad:
+        with pytest.raises(ValueError, match="sparse_attention_triton"):
+            sparse_attention_triton(q, k, i, 0.1)
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        with pytest.raises(ValueError, match="needs CUDA"):
+            sparse_attention_triton(torch.randn(1, 8, 2, 32), kv, idx, 0.1)
+
+
+if __name__ == "__main__":
+    _run_cases()
