@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -104,6 +105,12 @@ class ModelConfig:
         for name in pos:
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name} must be >= 1 (got {getattr(self, name)}); set it to a positive integer.")
+        if self.num_layers > 4096:
+            raise ConfigError(f"model.num_layers ({self.num_layers}) is beyond any model longctx can build; use at most 4096.")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"model.{f.name} must be a finite number (got {v}).")
         for name in ("rms_norm_eps", "init_std", "hc_eps", "routed_scaling_factor", "swiglu_limit"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"model.{name} must be > 0 (got {getattr(self, name)}); set a positive number.")

@@ -13,6 +13,7 @@ import gzip
 import hashlib
 import os
 import sysconfig
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -102,11 +103,14 @@ def read_records(f: Path, name: str, text_field: str, setting: str = "data.path"
         return []
     builder = "parquet" if f.name.lower().endswith(".parquet") else "json"
     disable_progress_bar()
-    try:
-        ds = load_dataset(builder, data_files=str(f), split="train")
-    except Exception as e:  # datasets wraps parse errors in several exception types
-        kind = "Parquet" if builder == "parquet" else "JSON lines (one JSON object per line)"
-        raise DataError(f"{setting} '{f}' is not valid {kind} ({_short(e)}); fix the file or point {setting} elsewhere.") from e
+    # datasets converts to Arrow in a cache dir; a throwaway one keeps ~/.cache clean (we hold the
+    # rows in memory anyway and tokenise them once).
+    with tempfile.TemporaryDirectory(prefix="longctx-datasets-") as cache:
+        try:
+            ds = load_dataset(builder, data_files=str(f), split="train", cache_dir=cache, keep_in_memory=True)
+        except Exception as e:  # datasets wraps parse errors in several exception types
+            kind = "Parquet" if builder == "parquet" else "JSON lines (one JSON object per line)"
+            raise DataError(f"{setting} '{f}' is not valid {kind} ({_short(e)}); fix the file or point {setting} elsewhere.") from e
     if text_field not in ds.column_names:
         cols = ", ".join(ds.column_names) or "none"
         raise DataError(
@@ -193,7 +197,7 @@ def split_documents(docs: list[Document], eval_docs: int) -> tuple[list[Document
 # Always held out (when present), so the demo's eval set holds a mid-size and a large package.
 STDLIB_EVAL_ALWAYS = ("email", "json")
 STDLIB_EVAL_SHARE = 10  # and 1 in this many of the rest, by stable hash of the name
-_TEST_DIRS = {"test", "tests", "idle_test", "__pycache__", "site-packages"}
+_TEST_DIRS = {"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"}
 
 
 def stdlib_corpus() -> tuple[list[Document], list[Document]]:

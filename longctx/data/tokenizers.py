@@ -100,6 +100,18 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return HFTokenizer(p)
 
 
+def separator_id(tokenizer: Tokenizer, enabled: bool = True) -> int | None:
+    """The id to put between packed documents (data.separator), or None when it is off."""
+    if not enabled:
+        return None
+    if tokenizer.eos_id is None:
+        raise DataError(
+            f"data.separator is on but data.tokenizer '{tokenizer.name}' has no end-of-text token "
+            f"(looked for {', '.join(_EOS_CANDIDATES)}); set data.separator=false or use a tokenizer that has one."
+        )
+    return tokenizer.eos_id
+
+
 def tokenize_documents(docs, tokenizer: Tokenizer, quiet: bool = False, desc: str = "tokenizing",
                        batch_docs: int = 64) -> list[np.ndarray]:
     """Encode each document's text; a tqdm bar shows progress on a terminal unless `quiet`.

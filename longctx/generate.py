@@ -1,0 +1,45 @@
+"""Decoding through the recurrent KDA state and the cached DSA latents and pooled indexer keys.
+
+The prompt is prefilled once; each new token then costs one step per layer (O(1) state for KDA,
+O(#pools) indexer scoring and top-k attention for DSA) — nothing of the prefix is recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+             top_k: int | None = 40, seed: int = 0) -> torch.Tensor:
+    """prompt_ids [1, T] -> [1, T + max_new_tokens]."""
+    model.eval()
+    g = torch.Generator(device=prompt_ids.device).manual_seed(seed)
+    caches = model.init_caches(prompt_ids.shape[0], device=prompt_ids.device)
+    logits = model(prompt_ids, caches=caches).logits[:, -1]
+    out = [prompt_ids]
+    for _ in range(max_new_tokens):
+        if temperature <= 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            lg = logits.float() / temperature
+            if top_k:
+                kth = lg.topk(min(top_k, lg.shape[-1]), dim=-1).values[..., -1:]
+                lg = lg.masked_fill(lg < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(lg, -1), 1, generator=g)
+        out.append(nxt)
+        logits = model(nxt, caches=caches).logits[:, -1]
+    return torch.cat(out, 1)
+
+
+@torch.no_grad()
+def decode_logprobs(model, ids: torch.Tensor, prefill: int = 1) -> torch.Tensor:
+    """Log-probabilities of ids[:, 1:] computed through the decode path: prefill `prefill` tokens,
+    then one token at a time. Compare with the training forward's to prove they agree."""
+    model.eval()
+    caches = model.init_caches(ids.shape[0], device=ids.device)
+    logits = [model(ids[:, :prefill], caches=caches).logits]
+    for t in range(prefill, ids.shape[1] - 1):
+        logits.append(model(ids[:, t : t + 1], caches=caches).logits)
+    lp = torch.log_softmax(torch.cat(logits, 1).float(), -1)
+    return lp.gather(-1, ids[:, 1:, None]).squeeze(-1)

@@ -1,0 +1,133 @@
+"""The memory plan: every technique of seed 000 as a named switch, and how to apply it to a model.
+
+    switch              on (default)                              off (`baseline`)
+    sparse_kernel       DSA gathers only the selected latents     dense attention under the top-k mask, O(S^2)
+    chunked_indexer     score/select `indexer_chunk` queries/pass  all queries at once, O(S^2/P)
+    recompute           full per-block recompute ("auto": when     every activation kept for backward
+                        the estimate says it is needed)
+    offload             inputs of N blocks to pinned host memory  all on the GPU
+                        ("auto": as few blocks as needed to fit)
+    pin_memory          pinned host buffers, async copies          pageable buffers
+    reuse_selection     recompute keeps the int32 selection        recompute re-runs the indexer
+    router_release      no router tensors outlive the forward      probabilities/indices kept on the module
+    mhc_cast_recompute  mHC's fp32 input cast redone in backward  the fp32 copy saved
+    moe_bf16_combine    expert outputs combined in bf16            combined in fp32
+    moe_chunk           MoE over `moe_chunk` tokens at a time      all tokens at once (peak follows skew)
+    loss_chunk          LM head + loss over `loss_chunk` rows      [S, vocab] logits materialised
+
+`MemoryPlan.from_dict({...})` validates names and values (one sentence per mistake);
+`apply_plan(model, plan)` sets the module switches and returns the block policy the trainer calls
+`end_step()` on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..config import _check_types
+from ..errors import ConfigError, did_you_mean
+
+
+@dataclass
+class MemoryPlan:
+    sparse_kernel: bool = True
+    chunked_indexer: bool = True
+    indexer_chunk: int = 1024
+    recompute: str = "auto"  # "auto" | "on" | "off"
+    offload: str = "auto"  # "auto" | "off" | a number of blocks, e.g. "6"
+    pin_memory: bool = True
+    reuse_selection: bool = True
+    router_release: bool = True
+    mhc_cast_recompute: bool = True
+    moe_bf16_combine: bool = True
+    moe_chunk: int = 65536
+    loss_chunk: int = 8192
+    attn_chunk: int = 1024  # queries per pass of the torch sparse-attention twin
+
+    @classmethod
+    def baseline(cls) -> "MemoryPlan":
+        """What a plain implementation does: every technique off."""
+        return cls(sparse_kernel=False, chunked_indexer=False, recompute="off", offload="off", pin_memory=False,
+                   reuse_selection=False, router_release=False, mhc_cast_recompute=False, moe_bf16_combine=False,
+                   moe_chunk=0, loss_chunk=0)
+
+    @classmethod
+    def from_dict(cls, d: dict | None, base: "MemoryPlan | None" = None) -> "MemoryPlan":
+        d = dict(d or {})
+        if d.pop("baseline", False):
+            base = cls.baseline()
+        known = {f.name for f in dataclasses.fields(cls)}
+        for k in d:
+            if k not in known:
+                raise ConfigError(f"unknown setting memory.{k}{did_you_mean(k, known) or '; the switches are ' + ', '.join(sorted(known))}")
+        if "offload" in d and not isinstance(d["offload"], str):
+            d["offload"] = str(d["offload"]) if isinstance(d["offload"], int) and not isinstance(d["offload"], bool) else d["offload"]
+        plan = dataclasses.replace(base or cls(), **d)
+        _check_types(plan, "memory")
+        if plan.recompute not in ("auto", "on", "off"):
+            raise ConfigError(f"memory.recompute must be auto, on or off (got {plan.recompute!r}).")
+        if plan.offload not in ("auto", "off") and not plan.offload.isdigit():
+            raise ConfigError(f"memory.offload must be auto, off or a number of blocks (got {plan.offload!r}).")
+        for k in ("indexer_chunk", "attn_chunk"):
+            if getattr(plan, k) < 1:
+                raise ConfigError(f"memory.{k} must be >= 1 (got {getattr(plan, k)}).")
+        for k in ("moe_chunk", "loss_chunk"):
+            if getattr(plan, k) < 0:
+                raise ConfigError(f"memory.{k} must be >= 0 (0 = off), got {getattr(plan, k)}.")
+        return plan
+
+    def offload_blocks(self) -> int:
+        return int(self.offload) if self.offload.isdigit() else 0
+
+    def describe(self) -> str:
+        on = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is True]
+        off = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is False]
+        return (f"recompute={self.recompute} offload={self.offload} moe_chunk={self.moe_chunk} "
+                f"loss_chunk={self.loss_chunk} indexer_chunk={self.indexer_chunk if self.chunked_indexer else 'off'} "
+                f"| on: {', '.join(on) or '-'} | off: {', '.join(off) or '-'}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def apply_plan(model, plan: MemoryPlan):
+    """Set every module's switches from `plan`; install the block policy. Returns it (or None)."""
+    from ..layers.dsa import SparseMLA
+    from ..layers.moe import MoE
+    from ..layers.residual import MHC
+    from .recompute import RecomputePolicy
+
+    for m in model.modules():
+        if isinstance(m, SparseMLA):
+            m.attn_impl = "sparse" if plan.sparse_kernel else "dense"
+            m.attn_chunk = plan.attn_chunk
+            if m.indexer is not None:
+                m.indexer.chunk = plan.indexer_chunk if plan.chunked_indexer else None
+        elif isinstance(m, MoE):
+            m.chunk_tokens = plan.moe_chunk or None
+            m.combine_dtype = None if plan.moe_bf16_combine else torch.float32
+            m.release_router_state = plan.router_release
+        elif isinstance(m, MHC):
+            m.recompute_cast = plan.mhc_cast_recompute
+    model.loss_chunk = plan.loss_chunk or None
+    recompute = plan.recompute == "on"
+    if recompute or plan.offload_blocks():
+        model.block_fn = RecomputePolicy(recompute=True, offload_layers=plan.offload_blocks(),
+                                         reuse_selection=plan.reuse_selection, pin_memory=plan.pin_memory)
+    else:
+        model.block_fn = None
+    return model.block_fn
+
+
+def plan_for_stage(cfg, stage, device) -> MemoryPlan:
+    """The plan for one curriculum stage: config `memory`, then the stage's `memory`, then the
+    estimator resolves "auto" (recompute and offload only when the stage would not fit)."""
+    plan = MemoryPlan.from_dict(cfg.memory)
+    if stage.memory:
+        plan = MemoryPlan.from_dict(stage.memory, base=plan)
+    from .estimate import resolve_auto
+
+    return resolve_auto(plan, cfg.model, stage.seq_len * stage.batch_size, device)

@@ -1,0 +1,116 @@
+"""Full activation recompute per block, with optional CPU offload of what it keeps.
+
+A block under recompute keeps only its input (and, with `reuse_selection`, the int32 indices its
+indexer chose): forward runs without a graph; backward reloads the input, re-runs the block with a
+graph, and backpropagates through it. Written as our own autograd.Function rather than
+torch.utils.checkpoint because (a) what is kept must pass through `save_for_backward`, where the
+offload hooks can move it to pinned host memory, and (b) the recompute must be able to reuse the
+forward's selection instead of re-running the indexer, the most expensive op at 1M tokens. mHC
+needs no special case: its 4-stream residual is simply the block's input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .offload import Offloader
+
+
+def _flatten(state):
+    if isinstance(state, torch.Tensor):
+        return [state], "t"
+    blocks, partial = state  # block attention residuals: ((block sums...), partial or None)
+    flat = list(blocks) + ([partial] if partial is not None else [])
+    return flat, ("attnres", len(blocks), partial is not None)
+
+
+def _unflatten(flat, spec):
+    if spec == "t":
+        return flat[0]
+    _, nb, has_partial = spec
+    return (tuple(flat[:nb]), flat[nb] if has_partial else None)
+
+
+class _RecomputeBlock(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, holder, spec, selection, *flat):
+        ctx.holder, ctx.spec = holder, spec
+        with torch.no_grad():
+            out_state, out_sel = holder.run(_unflatten(list(flat), spec), selection, None)
+        keep_sel = out_sel if (holder.reuse_selection and out_sel is not None and out_sel is not selection) else None
+        ctx.has_sel_in = selection is not None
+        ctx.has_sel_keep = keep_sel is not None
+        to_save = list(flat) + ([selection] if selection is not None else []) + ([keep_sel] if keep_sel is not None else [])
+        with holder.offload_ctx():
+            ctx.save_for_backward(*to_save)
+        out_flat, ctx.out_spec = _flatten(out_state)
+        holder.out_spec = ctx.out_spec
+        if out_sel is None:
+            out_sel = torch.empty(0, dtype=torch.int32, device=flat[0].device)
+        ctx.mark_non_differentiable(out_sel)
+        return (out_sel, *out_flat)
+
+    @staticmethod
+    def backward(ctx, _g_sel, *grads):
+        saved = list(ctx.saved_tensors)
+        n = len(saved) - ctx.has_sel_in - ctx.has_sel_keep
+        flat = [t.detach().requires_grad_(t.is_floating_point()) for t in saved[:n]]
+        selection = saved[n] if ctx.has_sel_in else None
+        kept = saved[n + ctx.has_sel_in] if ctx.has_sel_keep else None
+        with torch.enable_grad():
+            out_state, _ = ctx.holder.run(_unflatten(flat, ctx.spec), selection, kept)
+        outs, _ = _flatten(out_state)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, None, *[t.grad for t in flat])
+
+
+class _Holder:
+    """What the Function needs to re-run one block (kept off the graph's saved tensors)."""
+
+    def __init__(self, block, cu_seqlens, reuse_selection, offloader):
+        self.block, self.cu_seqlens, self.reuse_selection, self.offloader = block, cu_seqlens, reuse_selection, offloader
+        self.out_spec = None
+
+    def run(self, state, selection, forced_selection):
+        return self.block(state, selection, cu_seqlens=self.cu_seqlens, forced_selection=forced_selection)
+
+    def offload_ctx(self):
+        if self.offloader is None:
+            return _null()
+        return self.offloader.hooks()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class RecomputePolicy:
+    """`model.block_fn`: run blocks under full recompute; offload the inputs of the first
+    `offload_layers` blocks (their inputs are needed last in backward, so the copies hide best)."""
+
+    def __init__(self, recompute: bool = True, offload_layers: int = 0, reuse_selection: bool = True,
+                 pin_memory: bool = True, force_offload: bool = False):
+        self.recompute = recompute
+        self.offload_layers = offload_layers
+        self.reuse_selection = reuse_selection
+        self.offloader = Offloader(pin_memory=pin_memory, force=force_offload) if offload_layers else None
+
+    def __call__(self, block, state, selection, cu_seqlens):
+        if not self.recompute or not torch.is_grad_enabled():
+            return block(state, selection, cu_seqlens=cu_seqlens)
+        flat, spec = _flatten(state)
+        off = self.offloader if block.idx < self.offload_layers else None
+        holder = _Holder(block, cu_seqlens, self.reuse_selection, off)
+        out = _RecomputeBlock.apply(holder, spec, selection, *flat)
+        sel, out_flat = out[0], list(out[1:])
+        return _unflatten(out_flat, holder.out_spec), (sel if sel.numel() else None)
+
+    def end_step(self):
+        if self.offloader is not None:
+            self.offloader.end_step()

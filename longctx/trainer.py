@@ -1,0 +1,287 @@
+"""The training loop: curriculum stages, logging, evaluation, checkpoints, resume.
+
+    longctx train                      # the CPU demo: small model, stdlib corpus, 1k -> 4k tokens
+    longctx train --preset h200-curriculum --out runs/h200
+
+One log line per step (step, stage, sequence length, loss, grad norm, tokens/s, peak memory, MoE
+balance, and which kernel each layer kind ran), metrics.jsonl always, TensorBoard when installed.
+Held-out per-position loss before and after training; PNG plots; atomic checkpoints (periodic, at
+the end of each stage, and on Ctrl-C). A resumed run continues the data stream, optimizer, RNG
+and router balancing state exactly, so its loss curve equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+import torch
+
+from . import checkpoint as ckpt
+from .data.packing import PackedStream, eval_windows
+from .data.sources import load_split
+from .data.tokenizers import load_tokenizer, separator_id, tokenize_documents
+from .errors import ConfigError, UserError
+from .evaluate import format_table, per_position_loss
+from .model import LongCtxModel
+from .train_config import TrainConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device is 'cuda' but no CUDA GPU is visible; set device=auto or device=cpu.")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def lr_at(stage, step_in_stage: int) -> float:
+    if stage.warmup and step_in_stage < stage.warmup:
+        return stage.lr * (step_in_stage + 1) / stage.warmup
+    span = max(1, stage.steps - stage.warmup)
+    frac = min(1.0, (step_in_stage - stage.warmup) / span)
+    lo = stage.lr * stage.min_lr_ratio
+    if stage.schedule == "constant":
+        return stage.lr
+    if stage.schedule == "linear":
+        return stage.lr - (stage.lr - lo) * frac
+    return lo + 0.5 * (stage.lr - lo) * (1 + math.cos(math.pi * frac))
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device):
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and "router" not in n else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    extra = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=cfg.stages[0].lr, betas=tuple(cfg.betas), **extra)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, out_dir: str | None = None, quiet: bool = False, log=print):
+        self.cfg = cfg
+        self.out = out_dir or cfg.out_dir
+        self.quiet, self.log = quiet, log
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        torch.manual_seed(cfg.seed)
+        tok = load_tokenizer(cfg.data.tokenizer)
+        if tok.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+                f"({tok.vocab_size}); set model.vocab_size >= {tok.vocab_size}."
+            )
+        self.tokenizer = tok
+        train_docs, eval_docs = load_split(cfg.data.path, cfg.data.text_field, cfg.data.eval_docs)
+        self.train_tokens = tokenize_documents(train_docs, tok, quiet=quiet, desc="tokenizing train")
+        self.eval_tokens = tokenize_documents(eval_docs, tok, quiet=quiet, desc="tokenizing eval")
+        eos = separator_id(tok, cfg.data.separator)
+        self.stream = PackedStream(self.train_tokens, cfg.stages[0].seq_len, cfg.seed, eos_id=eos,
+                                   batch_size=cfg.stages[0].batch_size)
+        eval_len = max(s.seq_len for s in cfg.stages)
+        longest = max((len(t) for t in self.eval_tokens), default=0) - 1
+        if 0 < longest < eval_len:  # e.g. the stdlib corpus under a 1M-token curriculum
+            if not quiet:
+                log(f"note: held-out documents are at most {longest + 1} tokens; evaluating at that length, not {eval_len}")
+            eval_len = longest
+        self.eval_set = eval_windows(self.eval_tokens, eval_len, cfg.data.eval_windows, starts_only=False).tokens
+        self.model = LongCtxModel(cfg.model).to(self.device)
+        self.model.set_backend(cfg.backend)
+        self.opt = make_optimizer(self.model, cfg, self.device)
+        self.step = 0
+        self.before = None
+        self.history: list[dict] = []
+        self.memory_policy = None
+        self._tb = None
+
+    # ------------------------------------------------------------------ bookkeeping
+    def stage_at(self, step: int) -> tuple[int, int]:
+        acc = 0
+        for i, s in enumerate(self.cfg.stages):
+            if step < acc + s.steps:
+                return i, step - acc
+            acc += s.steps
+        return len(self.cfg.stages), 0
+
+    def _record(self, rec: dict):
+        self.history.append(rec)
+        with open(os.path.join(self.out, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self._tb is not None and "loss" in rec:
+            for k in ("loss", "grad_norm", "tokens_per_s", "lr", "peak_gib"):
+                if rec.get(k) is not None:
+                    self._tb.add_scalar(k, rec[k], rec["step"])
+
+    def state(self) -> dict:
+        return {"step": self.step, "data": self.stream.state_dict(), "before": self.before}
+
+    def save(self, reason: str):
+        path = ckpt.save(self.out, self.step, self.model, self.opt, self.state(), self.cfg.to_dict())
+        if not self.quiet:
+            self.log(f"checkpoint ({reason}): {path}")
+        return path
+
+    def resume(self):
+        st = ckpt.load(self.out, self.model, self.opt, device=self.device)
+        self.step = st.get("step", 0)
+        self.stream.load_state_dict(st["data"])
+        self.before = st.get("before")
+        # keep metrics.jsonl consistent with the checkpoint: drop records after its step
+        path = os.path.join(self.out, "metrics.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                recs = [json.loads(line) for line in f if line.strip()]
+            recs = [r for r in recs if r.get("step", 0) <= self.step]
+            with open(path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in recs)
+            self.history = recs
+        if not self.quiet:
+            self.log(f"resumed from step {self.step}")
+
+    def evaluate(self, label: str) -> dict:
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            res = per_position_loss(self.model, self.eval_set, n_buckets=8, device=self.device,
+                                    progress=not self.quiet and sys.stderr.isatty())
+        self._record({"step": self.step, "eval": label, "eval_loss": res["loss"], "buckets": res["buckets"]})
+        return res
+
+    # ------------------------------------------------------------------ the loop
+    def train_step(self, stage, step_in_stage: int) -> dict:
+        model = self.model
+        batch = self.stream.next_batch()
+        x, y = batch.inputs.to(self.device), batch.labels.to(self.device)
+        lr = lr_at(stage, step_in_stage)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            out = model(x, labels=y, return_logits=False)
+        out.loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        model.apply_balance_updates()
+        if self.memory_policy is not None:
+            self.memory_policy.end_step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        rec = {"step": self.step + 1, "stage": self.stage_at(self.step)[0], "seq_len": stage.seq_len,
+               "loss": out.lm_loss.item(), "grad_norm": gn.item(), "lr": lr,
+               "tokens_per_s": x.numel() / dt, "step_s": dt, "peak_gib": peak_memory_gib(self.device),
+               "moe_max_over_mean": model.moe_balance(), "impl": model.impl_report()}
+        for k, v in out.aux.items():
+            rec[k] = v.item()
+        model.clear_aux()
+        return rec
+
+    def format(self, r: dict) -> str:
+        bal = f" | moe max/mean {r['moe_max_over_mean']:.2f}" if r.get("moe_max_over_mean") else ""
+        return (f"step {r['step']:5d} | stage {r['stage']} | seq {r['seq_len']:7d} | loss {r['loss']:.4f} | "
+                f"gnorm {r['grad_norm']:.2f} | {r['tokens_per_s']:8.0f} tok/s | peak {r['peak_gib']:.2f} GiB{bal} | {r['impl']}")
+
+    def run(self, resume: bool = False, stop_after: int | None = None) -> dict:
+        os.makedirs(self.out, exist_ok=True)
+        if resume:
+            self.resume()
+        else:
+            if os.path.exists(os.path.join(self.out, "metrics.jsonl")):
+                os.remove(os.path.join(self.out, "metrics.jsonl"))
+        with open(os.path.join(self.out, "config.json"), "w") as f:
+            json.dump(self.cfg.to_dict(), f, indent=2, default=str)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(self.out, "tb"))
+        except Exception:
+            self._tb = None
+        n = self.model.num_parameters()
+        if not self.quiet:
+            self.log(f"model: {self.cfg.model.summary()} | {n['total'] / 1e6:.2f}M params ({n['active'] / 1e6:.2f}M active)")
+            self.log(f"data: {len(self.train_tokens)} train docs ({sum(len(t) for t in self.train_tokens):,} tokens), "
+                     f"{len(self.eval_tokens)} held-out docs; device {self.device}, dtype {str(self.dtype).replace('torch.', '')}")
+        if self.before is None:
+            self.before = self.evaluate("before")
+            if not self.quiet:
+                self.log(f"held-out loss before training: {self.before['loss']:.4f}")
+        total = self.cfg.total_steps()
+        last = total if stop_after is None else min(total, stop_after)
+        try:
+            while self.step < last:
+                si, k = self.stage_at(self.step)
+                stage = self.cfg.stages[si]
+                if k == 0 or self.stream.seq_len != stage.seq_len:
+                    self.stream.set_window(stage.seq_len, stage.batch_size)
+                    self.apply_memory(stage)
+                    if not self.quiet:
+                        self.log(f"stage {si}: {stage.steps} steps at {stage.seq_len} tokens x {stage.batch_size}, lr {stage.lr}")
+                rec = self.train_step(stage, k)
+                self.step += 1
+                self._record(rec)
+                if not self.quiet and (self.step % max(1, self.cfg.log_every) == 0 or self.step == last):
+                    self.log(self.format(rec))
+                end_of_stage = self.stage_at(self.step)[1] == 0
+                if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < total:
+                    self.evaluate(f"step{self.step}")
+                if (self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0) or (end_of_stage and self.step < last):
+                    self.save("periodic" if not end_of_stage else "end of stage")
+        except KeyboardInterrupt:
+            self.log(f"interrupted at step {self.step}; saving a checkpoint")
+            self.save("interrupted")
+            raise
+        if self.step < total:  # stopped early on request: checkpoint to resume from
+            self.save("stopped")
+            return {"step": self.step, "stopped": True}
+        after = self.evaluate("after")
+        self.save("final")
+        table = format_table(self.before, after)
+        if not self.quiet:
+            self.log("held-out loss by position (before -> after):\n" + table)
+        from . import plots
+        plots.loss_curve(self.history, os.path.join(self.out, "loss.png"))
+        plots.per_position(self.before, after, os.path.join(self.out, "per_position_loss.png"))
+        summary = {"step": self.step, "before": self.before, "after": after, "table": table}
+        with open(os.path.join(self.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        if self._tb is not None:
+            self._tb.close()
+        return summary
+
+    def apply_memory(self, stage):
+        """Apply the stage's memory plan (see longctx.memory); a no-op until a plan is set."""
+        try:
+            from .memory.plan import apply_plan, plan_for_stage
+        except ImportError:
+            return
+        plan = plan_for_stage(self.cfg, stage, self.device)
+        self.memory_policy = apply_plan(self.model, plan)
+        if not self.quiet:
+            self.log(f"memory plan: {plan.describe()}")
+
+
+def train(cfg: TrainConfig, **kw) -> dict:
+    out_dir = kw.pop("out_dir", None)
+    quiet = kw.pop("quiet", False)
+    return Trainer(cfg, out_dir=out_dir, quiet=quiet).run(**kw)
+
+
+__all__ = ["Trainer", "train", "UserError"]

@@ -1,0 +1,281 @@
+"""The trainer's config loader: presets, files, --set, printing, and one-sentence errors for bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import string
+import tempfile
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+from longctx.config import ModelConfig, preset
+from longctx.errors import ConfigError
+from longctx.train_config import (
+    BACKENDS,
+    DEVICES,
+    DTYPES,
+    SCHEDULES,
+    DataConfig,
+    Stage,
+    TrainConfig,
+    load_train_config,
+)
+
+
+# ------------------------------------------------------------------------------ good input
+def test_default_is_cpu_demo():
+    c = TrainConfig().validate()
+    assert c.preset == "small" and c.model == preset("small") and c.data.path is None
+    assert [s.seq_len for s in c.stages] == [1024, 4096]
+    assert load_train_config() == c
+
+
+def test_h200_curriculum():
+    c = load_train_config(None, "h200-curriculum", [])
+    assert [s.seq_len for s in c.stages] == [8192, 65536, 262144, 1048576]
+    assert c.model == preset("h200-ref") and c.dtype == "bfloat16"
+
+
+def test_round_trip_toml_json_yaml(tmp_path):
+    c = load_train_config(None, "tiny", ["model.vocab_size=256", "data.sources.long=/books",
+                                         "stages.1.data_mix={main = 1.0, long = 3.0}", "memory.recompute=\"full\""])
+    (tmp_path / "c.toml").write_text(c.to_toml())
+    (tmp_path / "c.json").write_text(c.to_json())
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(c.to_dict()))
+    tomllib.loads(c.to_toml())
+    for name in ("c.toml", "c.json", "c.yaml"):
+        assert load_train_config(str(tmp_path / name), None, []) == c, name
+
+
+def test_precedence_and_value_parsing(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('preset = "tiny"\nseed = 5\n[model]\nhidden_size = 64\nvocab_size = 256\n'
+                 '[[stages]]\nseq_len = 128\nsteps = 3\nlr = 1e-3\n')
+    c = load_train_config(str(f), None, [])
+    assert c.preset == "tiny" and c.model.hidden_size == 64 and c.model.num_layers == preset("tiny").num_layers
+    assert c.seed == 5 and c.stages == [Stage(seq_len=128, steps=3, lr=1e-3)]
+    c = load_train_config(str(f), "small", ["seed=9", "stages.0.lr=2e-4", "data.path=2024", "betas=[0.8, 0.9]",
+                                            "model.tie_word_embeddings=true", "model.pad_token_id=null",
+                                            "stages.1={seq_len=256, steps=2, lr=1e-4}"])
+    assert c.preset == "small" and c.model.hidden_size == 64 and c.model.kda_head_dim == preset("small").kda_head_dim
+    assert c.seed == 9 and c.stages[0].lr == 2e-4 and c.data.path == "2024" and c.betas == [0.8, 0.9]
+    assert c.model.tie_word_embeddings is True and c.model.pad_token_id is None and len(c.stages) == 2
+    assert load_train_config(str(f), "small", ["preset=h200-ref"]).preset == "h200-ref"
+
+
+# ------------------------------------------------------------------------------ each kind of bad input
+BAD_SETS = [
+    (["modle.hidden_size=3"], "unknown setting modle"),
+    (["model.hiden_size=3"], "hiden_size"),
+    (["data.pth=x"], "data.pth; did you mean data.path"),
+    (["stages.0.stpes=3"], "stages.0.stpes; did you mean stages.0.steps"),
+    (["learning_rate=1"], "unknown setting learning_rate"),
+    (["seed=1.5"], "seed must be int"),
+    (["seed=-1"], "seed must be >= 0"),
+    (["model.hidden_size=big"], "model.hidden_size must be int"),
+    (["model.hidden_size=0"], "model.hidden_size must be >= 1"),
+    (["model.layer_pattern=KXD"], "model.layer_pattern"),
+    (["stages.0.lr=-1"], "stages.0.lr"),
+    (["stages.0.lr=nan"], "stages.0.lr"),
+    (["stages.1.seq_len=0"], "stages.1.seq_len"),
+    (["stages.0.warmup=1000"], "stages.0.warmup"),
+    (["stages.0.schedule=cosin"], "did you mean cosine"),
+    (["stages.5.lr=1"], "stages has 2 entries"),
+    (["stages.x.lr=1"], "stages is a list"),
+    (["stages.2.lr=1"], "stages.2 is missing seq_len, steps"),
+    (["stages=[]"], "stages is empty"),
+    (["stages.0.data_mix.lng=1"], "stages.0.data_mix"),
+    (["stages.0.data_mix.main=-1"], "stages.0.data_mix.main"),
+    (["dtype=bf16"], "did you mean bfloat16"),
+    (["device=gpu"], "device must be one of"),
+    (["backend=fla"], "backend must be one of"),
+    (["betas=[0.9]"], "betas"),
+    (["grad_clip=-1"], "grad_clip"),
+    (["data.eval_docs=-2"], "data.eval_docs"),
+    (["data.separator=3"], "data.separator must be bool"),
+    (["data.sources.main=/x"], "data.sources"),
+    (["model.vocab_size=100"], "model.vocab_size"),
+    (["preset=smal"], "did you mean small"),
+    (["seed.x=1"], "seed is a single value"),
+    (["model..x=1"], "empty name part"),
+    (["no_equals_sign"], "is not key=value"),
+    (["model=3"], "model must be a table"),
+    (["memory=3"], "memory must be dict"),
+]
+
+
+@pytest.mark.parametrize("sets,needle", BAD_SETS)
+def test_bad_set_names_the_setting(sets, needle):
+    with pytest.raises(ConfigError) as e:
+        load_train_config(None, None, sets)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_bad_files(tmp_path):
+    cases = {
+        "a.toml": ('seed = 1\nlog_every = 2\nout_dir = "x\n', ["a.toml", "line 3"]),
+        "b.yaml": ("seed: 1\nmodel: [1, 2\nfoo: 3\n", ["b.yaml", "line"]),
+        "c.json": ('{"seed": 1,\n "x": }', ["c.json", "line 2"]),
+        "d.yaml": ("- 1\n- 2\n", ["d.yaml", "table of settings"]),
+        "e.yaml": ("model:\n  1: 2\n", ["model", "setting names must be text"]),
+        "f.ini": ("seed = 1\n", ["f.ini", ".toml"]),
+        "g.toml": ("[model]\nhidden_sise = 3\n", ["model.hidden_sise"]),
+        "h.yaml": ("stages:\n  - {seq_len: 8, steps: 1}\n", ["stages.0 is missing lr"]),
+        "i.yaml": ("stages: {seq_len: 8}\n", ["stages must be a list"]),
+        "j.toml": ('preset = 3\n', ["preset must be a preset name"]),
+        "k.yaml": ("data: [1]\n", ["data must be a table"]),
+    }
+    for name, (text, needles) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_train_config(str(tmp_path / name), None, [])
+        for n in needles:
+            assert n in str(e.value), (name, str(e.value))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_train_config(str(tmp_path / "missing.toml"), None, [])
+    (tmp_path / "bin.toml").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="UTF-8"):
+        load_train_config(str(tmp_path / "bin.toml"), None, [])
+
+
+# ------------------------------------------------------------------------------ property: random invalid configs
+def _typed_fields():
+    """(section, field, allowed base types) for every scalar setting."""
+    out = []
+    for section, cls, skip in (("", TrainConfig, {"model", "data", "stages", "preset", "memory", "betas"}),
+                               ("model", ModelConfig, set()), ("data", DataConfig, {"sources"}),
+                               ("stage", Stage, {"data_mix", "memory"})):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            tp = hints[f.name]
+            out.append((section, f.name, set(typing.get_args(tp) or (tp,))))
+    return out
+
+
+TYPED = _typed_fields()
+POSITIVE = [("model", n) for n in ("vocab_size", "hidden_size", "num_layers", "kda_heads", "kda_head_dim",
+                                   "index_topk", "index_pool", "n_routed_experts", "hc_streams")] + \
+    [("stage", "seq_len"), ("stage", "steps"), ("stage", "batch_size"), ("", "log_every")]
+NON_NEGATIVE = [("stage", "warmup"), ("", "seed"), ("", "eval_every"), ("", "ckpt_every"),
+                ("data", "eval_docs"), ("data", "eval_windows"), ("model", "n_shared_experts")]
+ENUMS = [("", "dtype", DTYPES), ("", "device", DEVICES), ("", "backend", BACKENDS), ("stage", "schedule", SCHEDULES),
+         ("model", "residual", ("mhc", "attnres", "plain")), ("model", "balancer", ("quantile", "sign", "aux", "none"))]
+KNOWN = {name for _, name, _ in TYPED} | {"model", "data", "stages", "preset", "memory", "betas", "sources", "data_mix"}
+
+
+def _wrong_value(allowed: set):
+    opts = []
+    if str not in allowed:
+        opts.append(st.text(max_size=8))
+    if int not in allowed and float not in allowed:
+        opts.append(st.integers(-5, 5))
+    if int in allowed and float not in allowed:
+        opts.append(st.floats(allow_nan=False).filter(lambda x: x != int(x) if abs(x) < 1e300 else True))
+    if bool not in allowed:
+        opts.append(st.booleans())
+    opts += [st.lists(st.integers(), max_size=3), st.dictionaries(st.sampled_from("abc"), st.integers(), max_size=2)]
+    return st.one_of(opts)
+
+
+def _place(section: str, name: str, value) -> dict:
+    stage = {"seq_len": 64, "steps": 2, "lr": 1e-3}
+    if section == "":
+        return {name: value}
+    if section == "stage":
+        return {"stages": [{**stage, name: value}]}
+    return {section: {name: value}}
+
+
+unknown_name = st.text(string.ascii_letters + "_", min_size=1, max_size=10).filter(lambda s: s not in KNOWN)
+
+
+@st.composite
+def invalid_config(draw):
+    kind = draw(st.sampled_from(["unknown", "type", "negative", "enum", "pattern"]))
+    if kind == "unknown":
+        return _place(draw(st.sampled_from(["", "model", "data", "stage"])), draw(unknown_name), draw(st.integers()))
+    if kind == "type":
+        section, name, allowed = draw(st.sampled_from(TYPED))
+        return _place(section, name, draw(_wrong_value(allowed)))
+    if kind == "negative":
+        section, name = draw(st.sampled_from(POSITIVE + NON_NEGATIVE))
+        hi = 0 if (section, name) in POSITIVE else -1
+        return _place(section, name, draw(st.integers(min_value=-10**12, max_value=hi)))
+    if kind == "enum":
+        section, name, allowed = draw(st.sampled_from(ENUMS))
+        return _place(section, name, draw(st.text(max_size=10).filter(lambda s: s not in allowed)))
+    name, letters = draw(st.sampled_from([("layer_pattern", "KD"), ("mlp_pattern", "dm"), ("indexer_pattern", "fs")]))
+    bad = draw(st.text(max_size=6).filter(lambda s: not s or set(s) - set(letters)))
+    return _place("model", name, bad)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=invalid_config(), fmt=st.sampled_from(["dict", "yaml", "json"]))
+def test_random_invalid_configs_raise_config_error(cfg, fmt):
+    with pytest.raises(ConfigError):
+        if fmt == "dict":
+            TrainConfig.from_dict(cfg)
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                p = Path(d) / f"c.{fmt}"
+                p.write_text(yaml.safe_dump(cfg) if fmt == "yaml" else json.dumps(cfg))
+                load_train_config(str(p), None, [])
+
+
+_SET_VALUE_CHARS = st.text(st.characters(blacklist_characters="\"'\x00", blacklist_categories=("Cs",)), max_size=10)
+
+
+@st.composite
+def invalid_set(draw):
+    kind = draw(st.sampled_from(["unknown", "negative", "enum", "noeq", "index"]))
+    if kind == "unknown":
+        prefix = draw(st.sampled_from(["", "model.", "data.", "stages.0."]))
+        return f"{prefix}{draw(unknown_name)}={draw(_SET_VALUE_CHARS)}"
+    if kind == "negative":
+        section, name = draw(st.sampled_from(POSITIVE + NON_NEGATIVE))
+        hi = 0 if (section, name) in POSITIVE else -1
+        where = {"": "", "stage": "stages.1."}.get(section, section + ".")
+        return f"{where}{name}={draw(st.integers(min_value=-10**9, max_value=hi))}"
+    if kind == "enum":
+        section, name, allowed = draw(st.sampled_from(ENUMS))
+        where = {"": "", "stage": "stages.0."}.get(section, section + ".")
+        return f"{where}{name}={draw(_SET_VALUE_CHARS.filter(lambda s: s.strip() not in allowed))}"
+    if kind == "noeq":
+        return draw(st.text(max_size=15).filter(lambda s: "=" not in s))
+    return f"stages.{draw(st.integers(3, 10**6))}.lr=1e-3"
+
+
+@settings(max_examples=150, deadline=None)
+@given(sets=st.lists(invalid_set(), min_size=1, max_size=3))
+def test_random_invalid_sets_raise_config_error(sets):
+    with pytest.raises(ConfigError):
+        load_train_config(None, None, sets)
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=40), fmt=st.sampled_from(["toml", "yaml", "json"]))
+def test_random_file_text_raises_config_error(text, fmt):
+    """Random text as a config file: either it fails to parse, or it names unknown/invalid settings."""
+    try:  # skip the rare text that parses to an empty table (a valid, empty config)
+        parsed = {"toml": tomllib.loads, "yaml": yaml.safe_load, "json": json.loads}[fmt](text)
+    except Exception:
+        parsed = "unparseable"
+    assume(parsed not in (None, {}))
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / f"c.{fmt}"
+        p.write_text(text, encoding="utf-8")
+        with pytest.raises(ConfigError):
+            load_train_config(str(p), None, [])
