@@ -140,6 +140,11 @@ class ModelConfig:
             raise ConfigError(f"model.experts_per_token ({self.experts_per_token}) must be <= model.n_routed_experts ({self.n_routed_experts}).")
         if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
             raise ConfigError(f"model.n_group ({self.n_group}) must divide model.n_routed_experts and be >= model.topk_group ({self.topk_group}).")
+        if self.experts_per_token > self.topk_group * (self.n_routed_experts // self.n_group):
+            raise ConfigError(
+                f"model.experts_per_token ({self.experts_per_token}) exceeds the experts in the model.topk_group "
+                f"({self.topk_group}) groups that routing may use; raise topk_group or lower experts_per_token."
+            )
         if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
             raise ConfigError("model.n_group leaves fewer than 2 experts per group; lower model.n_group.")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:

@@ -1,0 +1,346 @@
+"""Mixture of experts: sigmoid router with a selection bias, routed clamped-SwiGLU experts, a shared
+expert, and the load balancers (quantile, sign-step, auxiliary loss, none).
+
+Same function as GLM-5.3-Flash's MoE at inference: scores = sigmoid(x W^T) in fp32; experts are
+*chosen* by scores + bias (group-limited when n_group > 1) but *weighted* by the unbiased scores,
+normalised over the chosen k and scaled by routed_scaling_factor; plus a shared dense expert.
+
+Training layout: the k * T (token, expert) pairs are sorted by expert so that each expert reads one
+contiguous slice, run as one `torch._grouped_mm` on CUDA (it takes bf16 only) or a loop over experts
+otherwise (`last_impl` says which ran), and summed back per token with `index_add_`. Nothing of the router outlives the forward (seed 000,
+"router release": a tensor kept on the module pins a recomputed graph for the rest of backward).
+
+Quantile balancing (seed 001 section 3; Su, "MoE环游记 6"). The balanced assignment is the LP
+    max sum_ij x_ij s_ij  s.t.  sum_j x_ij = k (each token),  sum_i x_ij = q = m k / n (each expert)
+whose dual has a price alpha_i per token and beta_j per expert: token i takes expert j iff
+s_ij - beta_j > alpha_i, i.e. j is among the top k of s_i - beta. So the routing bias is
+bias = -beta, and one dual step is
+    alpha_i = (k+1)-th largest over j of (s_ij + bias_j)        (= s_ij - beta_j)
+    beta_j  = (q+1)-th largest over i of (s_ij - alpha_i)      -> new bias = -beta
+after which q tokens have s_ij - alpha_i > beta_j (up to ties): each expert's threshold admits q.
+q = m k / n is rounded to the nearest integer (`expert_quota`).
+The step is a coordinate step on the dual; from a cold start on skewed scores a single step
+overshoots (the popular experts' tokens all move to the next-best expert), so `quantile_bias`
+repeats it, warm-started from the current bias, until the routing it implies on this batch is within
+`quantile_tol` of even (at most `quantile_iters` steps; `quantile_iters = 1` is the single-step rule).
+The result replaces the bias; it is computed from batch t and used from batch t+1 on: forward only
+records it as pending, `apply_balance_update()` (after the optimizer step) installs it. Several
+training forwards before one apply (micro-batches) average their biases (sign-step: sum their loads),
+so repeating a forward on the same batch changes nothing; a recompute inside backward (activation
+checkpointing) is detected and touches no module state at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .mlp import DenseMLP, clamped_swiglu
+
+IMPLS = ("auto", "grouped_mm", "loop")
+
+
+# ----------------------------------------------------------------------------- routing maths
+def select_experts(choice: torch.Tensor, k: int, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+    """Indices [t, k] of the experts with the largest `choice` [t, E], restricted (n_group > 1) to the
+    `topk_group` groups whose two best choices sum highest."""
+    if n_group > 1:
+        t, n = choice.shape
+        per = n // n_group
+        group_score = choice.view(t, n_group, per).topk(2, dim=-1).values.sum(-1)
+        keep_group = group_score.topk(topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep_group, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
+    return choice.topk(k, dim=-1, sorted=False).indices
+
+
+def expert_quota(m: int, n: int, k: int) -> int:
+    """q = m k / n tokens per expert, rounded to the nearest integer (floor would under-fill and ceil
+    over-fill every expert by up to one token), kept in [0, m-1] so the (q+1)-th largest exists."""
+    return min(max((m * k + n // 2) // n, 0), m - 1)
+
+
+@torch.no_grad()
+def quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, iters: int = 1, tol: float = 0.0) -> torch.Tensor:
+    """The quantile-balancing bias (= -beta) for the scores [m, n] of one batch, warm-started from `bias`.
+
+    Runs at least one dual step and at most `iters`, stopping once routing this batch by the current
+    bias gives max load / mean load <= 1 + tol. Returns a new fp32 tensor [n]; the caller decides
+    when it takes effect."""
+    s = scores.float()
+    m, n = s.shape
+    if k >= n or m < 2:  # every token takes every expert, or one token: nothing to balance
+        return bias.detach().float().clone()
+    q = expert_quota(m, n, k)
+    mean = m * k / n
+    b = bias.detach().float().clone()
+    s_t = s.t().contiguous()  # the per-expert quantile reads rows: topk along a contiguous dim is ~5x faster
+    for step in range(max(iters, 1)):
+        top = (s + b).topk(k + 1, dim=1)
+        if step > 0:
+            load = torch.bincount(top.indices[:, :k].flatten(), minlength=n)
+            if load.max().item() <= (1 + tol) * mean:
+                break
+        alpha = top.values[:, k]  # (k+1)-th largest of s_i - beta
+        beta = (s_t - alpha[None, :]).topk(q + 1, dim=1).values[:, q]  # (q+1)-th largest over tokens
+        b = -beta
+    return b
+
+
+def sign_step_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's bias step: raise under-loaded experts, lower over-loaded ones, by `rate`."""
+    load = load.float()
+    return bias.detach().float() + rate * torch.sign(load.mean() - load)
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs, i.e. inside an activation-recompute forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# ----------------------------------------------------------------------------- modules
+class _Fp32Logits(torch.autograd.Function):
+    """x.float() @ W^T that saves x in its own dtype: plain autograd would keep the fp32 copy of x
+    (4 bytes x hidden per token, 16 GiB per layer at 1M tokens) for the weight gradient; here the
+    cast is redone in backward instead (seed 000, "no fp32 copies")."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        gx = (g @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        gw = (g.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+class Router(nn.Module):
+    """fp32 router weight [E, hidden] and the fp32 selection bias [E] (a persistent buffer, moved
+    only by the balancer, never by the optimizer). Both stay fp32 through `model.to(bf16)`, as HF
+    keeps its router in fp32: a bf16 bias could not hold the balancer's small steps."""
+
+    def __init__(self, n_experts: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, hidden, dtype=torch.float32))
+        self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.weight.dtype != torch.float32:
+            self.weight.data = self.weight.data.float()
+        if self.bias.dtype != torch.float32:
+            self.bias = self.bias.float()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Fp32Logits.apply(x, self.weight).sigmoid()
+
+
+class Experts(nn.Module):
+    """All routed experts' weights as two 3-D tensors (HF's packed layout: gate rows, then up rows)."""
+
+    def __init__(self, n_experts: int, hidden: int, intermediate: int, swiglu_limit: float):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(n_experts, 2 * intermediate, hidden))
+        self.down = nn.Parameter(torch.empty(n_experts, hidden, intermediate))
+        self.intermediate = intermediate
+        self.limit = swiglu_limit
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        return clamped_swiglu(h[:, : self.intermediate], h[:, self.intermediate :], self.limit)
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor, impl: str) -> torch.Tensor:
+        """xs [N, hidden] sorted by expert, counts [E] rows per expert -> [N, hidden]."""
+        gate_up, down = self.gate_up.to(xs.dtype), self.down.to(xs.dtype)
+        if impl == "grouped_mm":
+            offs = counts.cumsum(0).to(torch.int32)
+            h = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(self._act(h), down.transpose(-2, -1), offs=offs)
+        outs, start = [], 0
+        for e, c in enumerate(counts.tolist()):
+            if c:
+                h = F.linear(xs[start : start + c], gate_up[e])
+                outs.append(F.linear(self._act(h), down[e]))
+                start += c
+        return torch.cat(outs) if outs else xs.new_zeros(0, xs.shape[-1])
+
+
+class MoE(nn.Module):
+    """Routed experts + shared expert with a pluggable load balancer (see the module docstring).
+
+    Switches set from outside (not part of the model config):
+      chunk_tokens          run over the tokens in chunks of this size (peak independent of skew)
+      combine_dtype         None: sum expert outputs in the activation dtype; torch.float32: in fp32
+      release_router_state  True: keep nothing of the router after forward; False: keep the
+                            detached scores, indices and weights of each chunk in `router_state`
+      impl                  "auto" (grouped_mm on CUDA bf16, else loop), "grouped_mm" or "loop"
+      quantile_iters, quantile_tol   see `quantile_bias`
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        E, k = cfg.n_routed_experts, cfg.experts_per_token
+        if cfg.n_group > 1 and k > cfg.topk_group * (E // cfg.n_group):
+            raise ConfigError(
+                f"model.experts_per_token ({k}) exceeds the experts in the {cfg.topk_group} groups a token may use "
+                f"({cfg.topk_group * (E // cfg.n_group)}); raise model.topk_group or lower model.experts_per_token."
+            )
+        self.layer_idx = layer_idx
+        self.n_experts, self.top_k = E, k
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        self.balancer, self.balancer_rate, self.aux_loss_coef = cfg.balancer, cfg.balancer_rate, cfg.aux_loss_coef
+        self.router = Router(E, cfg.hidden_size)
+        self.experts = Experts(E, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
+        if cfg.n_shared_experts > 0:
+            self.shared = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.swiglu_limit)
+        else:
+            self.shared = None
+        nn.init.normal_(self.router.weight, std=cfg.init_std)
+        nn.init.normal_(self.experts.gate_up, std=cfg.init_std)
+        nn.init.normal_(self.experts.down, std=cfg.init_std)
+
+        self.chunk_tokens: int | None = None
+        self.combine_dtype: torch.dtype | None = None
+        self.release_router_state = True
+        self.impl = "auto"
+        self.quantile_iters = 32
+        self.quantile_tol = 0.01
+
+        self.aux_loss: torch.Tensor | None = None
+        self.last_load: torch.Tensor | None = None
+        self.last_impl: str | None = None
+        self.router_state: list[dict] | None = None
+        self._reset_pending()
+
+    # ------------------------------------------------------------------ balance bookkeeping
+    def _reset_pending(self) -> None:
+        # Accumulated over the forwards since the last apply (micro-batches): quantile averages the
+        # per-forward biases, sign sums the loads. Identical forwards (a recompute that is not inside
+        # backward) leave both unchanged, so the pending bias is idempotent.
+        self._pending_sum: torch.Tensor | None = None
+        self._pending_count = 0
+
+    @property
+    def pending_bias(self) -> torch.Tensor | None:
+        """The bias that `apply_balance_update` will install, or None when there is nothing to apply."""
+        if self._pending_sum is None:
+            return None
+        if self.balancer == "quantile":
+            return self._pending_sum / self._pending_count
+        return sign_step_bias(self.router.bias, self._pending_sum, self.balancer_rate)
+
+    @torch.no_grad()
+    def apply_balance_update(self) -> bool:
+        """Install the pending bias (call after the optimizer step). Returns whether anything changed."""
+        new = self.pending_bias
+        self._reset_pending()
+        if new is None:
+            return False
+        self.router.bias.copy_(new)
+        return True
+
+    @property
+    def last_balance(self) -> float | None:
+        """max expert load / mean load of the last forward (a host sync, so only when asked)."""
+        if self.last_load is None:
+            return None
+        return (self.last_load.max() / self.last_load.mean().clamp_min(1e-20)).item()
+
+    # ------------------------------------------------------------------ forward
+    def _pick_impl(self, x: torch.Tensor) -> str:
+        if self.impl not in IMPLS:
+            raise ValueError(f"MoE.impl must be one of {IMPLS} (got {self.impl!r})")
+        impl = self.impl
+        if impl == "auto":
+            grouped_ok = x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
+            impl = "grouped_mm" if grouped_ok else "loop"
+        if impl == "grouped_mm":
+            h, i = x.shape[-1], self.experts.intermediate
+            if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")) or h % 8 or i % 8:
+                raise ValueError(
+                    f"the grouped_mm experts path takes bf16 CUDA tensors with hidden and expert width multiples of 8; "
+                    f"got {x.dtype} on {x.device} with hidden {h}, width {i}; set MoE.impl = 'loop'."
+                )
+        return impl
+
+    def _chunk(self, x: torch.Tensor, impl: str, want_aux: bool, keep: list | None):
+        """Route and run one chunk of tokens x [t, h]. Returns (output, detached scores, load, prob sum)."""
+        t, k = x.shape[0], self.top_k
+        scores = self.router(x)  # [t, E] fp32, grad flows to router.weight through the weights
+        with torch.no_grad():
+            idx = select_experts(scores + self.router.bias, k, self.n_group, self.topk_group)
+        w = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        w = w * self.scaling
+
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        token = order // k
+        ys = self.experts(x[token], counts, impl)
+        cdtype = self.combine_dtype or x.dtype
+        w_sorted = w.flatten()[order]
+        if cdtype == ys.dtype:
+            contrib = ys * w_sorted.to(cdtype)[:, None]
+        else:  # fp32 combine of low-precision outputs: promote in the product, keep no fp32 copy of ys
+            contrib = (ys * w_sorted[:, None]).to(cdtype)
+        out = torch.zeros(t, x.shape[-1], dtype=cdtype, device=x.device).index_add_(0, token, contrib).to(x.dtype)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        prob_sum = (scores / scores.sum(-1, keepdim=True)).sum(0) if want_aux else None
+        if keep is not None:
+            keep.append({"scores": scores.detach(), "indices": idx, "weights": w.detach()})
+        return out, scores.detach(), counts, prob_sum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        m = x.shape[0]
+        impl = self._pick_impl(x)
+        record = not _in_backward()  # a recompute in backward must not touch the module's state
+        train = self.training and record
+        want_aux = train and self.balancer == "aux" and torch.is_grad_enabled()
+
+        if m == 0:
+            return x.new_zeros(shape)
+        step = self.chunk_tokens or m
+        if step < 1:
+            raise ValueError(f"MoE.chunk_tokens must be >= 1 or None (got {self.chunk_tokens})")
+        keep = [] if record and not self.release_router_state else None
+        outs, scores, load, prob_sum = [], [], None, None
+        for start in range(0, m, step):
+            o, s, c, p = self._chunk(x[start : start + step], impl, want_aux, keep)
+            outs.append(o)
+            if train and self.balancer == "quantile":
+                scores.append(s)
+            load = c if load is None else load + c
+            if p is not None:
+                prob_sum = p if prob_sum is None else prob_sum + p
+        out = torch.cat(outs) if len(outs) != 1 else outs[0]
+
+        if record:
+            self.last_impl = impl
+            self.router_state = keep
+            self.last_load = load.detach().float()
+            self.aux_loss = None
+        if want_aux:
+            f = load.float() / (m * self.top_k)  # fraction of routed slots per expert (sums to 1)
+            self.aux_loss = self.aux_loss_coef * self.n_experts * (f * (prob_sum / m)).sum()
+        if train and self.balancer in ("quantile", "sign"):
+            if self.balancer == "quantile":
+                s_all = torch.cat(scores) if len(scores) != 1 else scores[0]
+                new = quantile_bias(s_all, self.router.bias, self.top_k, self.quantile_iters, self.quantile_tol)
+            else:
+                new = load.detach().float()
+            self._pending_sum = new if self._pending_sum is None else self._pending_sum + new
+            self._pending_count += 1
+        return out.reshape(shape)
