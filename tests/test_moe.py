@@ -135,11 +135,11 @@ def test_chunked_equals_unchunked(combine):
         (y * g).sum().backward()
         outs.append((y.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}))
     (y0, gx0, gp0), (y1, gx1, gp1) = outs
-    torch.testing.assert_close(y1, y0, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(gx1, gx0, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(y1, y0, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(gx1, gx0, atol=1e-5, rtol=1e-4)
     for n in gp0:
         assert gp0[n] is not None and gp0[n].abs().sum() > 0, n
-        torch.testing.assert_close(gp1[n], gp0[n], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(gp1[n], gp0[n], atol=1e-5, rtol=1e-4)
     assert ref.last_impl == chk.last_impl == "loop"
     torch.testing.assert_close(chk.last_load, ref.last_load)
 
