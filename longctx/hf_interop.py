@@ -161,9 +161,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 # ------------------------------------------------------------------------------ state dicts
-def state_dict_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict, list[str]]:
-    """Hub keys -> our keys. Returns (state dict, unexpected hub keys)."""
+def state_dict_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, origin: dict | None = None) -> tuple[dict, list[str]]:
+    """Hub keys -> our keys. Returns (state dict, unexpected hub keys); `origin` collects our key -> hub key."""
     out, unexpected, experts = {}, [], {}
+    origin = {} if origin is None else origin
     for key, t in hf.items():
         if key == "lm_head.weight":
             out["lm_head.weight"] = t
@@ -188,6 +189,7 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[d
             unexpected.append(key)
             continue
         out[f"layers.{i}.{ours}"] = t
+        origin[f"layers.{i}.{ours}"] = key
     by_layer: dict[int, dict[int, dict]] = {}
     for (i, j), parts in experts.items():
         by_layer.setdefault(i, {})[j] = parts
@@ -259,13 +261,27 @@ def _is_vision(k: str) -> bool:
     return k.startswith(("model.visual.", "visual.", "model.vision"))
 
 
-def _check_keys(model: LongCtxModel, sd: dict, unexpected: list[str], path: str):
+def hub_name(key: str) -> str:
+    """Our state-dict key -> its name in the GLM-5.3-Flash hub layout (for messages)."""
+    if key in ("embed.weight", "norm.weight"):
+        return HF_PREFIX + ("embed_tokens.weight" if key == "embed.weight" else "norm.weight")
+    m = re.match(r"layers\.(\d+)\.(.*)$", key)
+    if not m:
+        return key
+    if m.group(2).startswith("mlp.experts."):
+        return f"{HF_PREFIX}layers.{m.group(1)}.mlp.experts.*"
+    hub = _rename_layer_key(m.group(2), to_ours=False)
+    return f"{HF_PREFIX}layers.{m.group(1)}.{hub}" if hub else key
+
+
+def _check_keys(model: LongCtxModel, sd: dict, unexpected: list[str], path: str, origin: dict | None = None):
     expected = set(model.state_dict())
     if model.cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
         expected.discard("lm_head.weight")
-    missing = sorted(expected - set(sd))
-    unexpected = sorted(set(unexpected) | (set(sd) - expected))
+    name = (lambda k: hub_name(k)) if origin is not None else (lambda k: k)
+    missing = sorted(name(k) for k in expected - set(sd))
+    unexpected = sorted(set(unexpected) | {(origin or {}).get(k, k) for k in set(sd) - expected})
     if missing or unexpected:
         parts = []
         if missing:
@@ -288,7 +304,7 @@ def load_pretrained(path: str, device=None, dtype: torch.dtype | None = None) ->
         with open(os.path.join(path, OUR_CONFIG)) as f:
             cfg = ModelConfig.from_dict(json.load(f))
         sd, unexpected = _read_safetensors(path), []
-        hf_source = None
+        hf_source, origin = None, None
     else:
         cfg_path = os.path.join(path, "config.json")
         if not os.path.exists(cfg_path):
@@ -303,11 +319,12 @@ def load_pretrained(path: str, device=None, dtype: torch.dtype | None = None) ->
         # Multi-token-prediction layers (index >= num_layers) are not part of the trunk.
         raw = {k: v for k, v in raw.items()
                if not ((m := re.match(r"model\.language_model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= cfg.num_layers)}
-        sd, unexpected = state_dict_from_hf(raw, cfg)
+        origin = {}
+        sd, unexpected = state_dict_from_hf(raw, cfg, origin)
         hf_source = path
     with torch.device("meta"):
         model = LongCtxModel(cfg)
-    _check_keys(model, sd, unexpected, path)
+    _check_keys(model, sd, unexpected, path, origin)
     model = model.to_empty(device=device or "cpu")
     missing, unexp = model.load_state_dict(sd, strict=False, assign=False)
     if cfg.tie_word_embeddings:

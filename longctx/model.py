@@ -51,14 +51,15 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mixer_res, self.mlp_res = mixer_res, mlp_res
 
-    def forward(self, state, selection=None, cache=None, cu_seqlens=None):
-        """One block. Returns (state, selection): DSA layers that run their indexer return theirs."""
+    def forward(self, state, selection=None, cache=None, cu_seqlens=None, forced_selection=None):
+        """One block. Returns (state, selection): DSA layers that run their indexer return theirs.
+        `forced_selection` (recompute with selection reuse) replaces this layer's indexer run."""
         x, ctx = self.mixer_res.enter(state)
         x = self.mixer_norm(x)
         if self.kind == "K":
             y = self.mixer(x, state=cache, cu_seqlens=cu_seqlens)
         else:
-            y, selection = self.mixer(x, prev_selection=selection, cache=cache)
+            y, selection = self.mixer(x, prev_selection=selection, cache=cache, forced_selection=forced_selection)
         state = self.mixer_res.exit(state, ctx, y)
         x, ctx = self.mlp_res.enter(state)
         state = self.mlp_res.exit(state, ctx, self.mlp(self.mlp_norm(x)))

@@ -96,6 +96,13 @@ class Trainer:
         eos = separator_id(tok, cfg.data.separator)
         self.stream = PackedStream(self.train_tokens, cfg.stages[0].seq_len, cfg.seed, eos_id=eos,
                                    batch_size=cfg.stages[0].batch_size)
+        n_train = sum(len(t) for t in self.train_tokens)
+        for i, s in enumerate(cfg.stages):
+            if s.seq_len * s.batch_size >= n_train:
+                raise ConfigError(
+                    f"stages.{i}.seq_len x batch_size ({s.seq_len * s.batch_size:,} tokens) is longer than the whole training "
+                    f"corpus ({n_train:,} tokens); lower it or point data.path at more text."
+                )
         eval_len = max(s.seq_len for s in cfg.stages)
         longest = max((len(t) for t in self.eval_tokens), default=0) - 1
         if 0 < longest < eval_len:  # e.g. the stdlib corpus under a 1M-token curriculum
@@ -272,7 +279,7 @@ class Trainer:
             from .memory.plan import apply_plan, plan_for_stage
         except ImportError:
             return
-        plan = plan_for_stage(self.cfg, stage, self.device)
+        plan = plan_for_stage(self.cfg, stage, self.device, self.cfg.stages.index(stage))
         self.memory_policy = apply_plan(self.model, plan)
         if not self.quiet:
             self.log(f"memory plan: {plan.describe()}")

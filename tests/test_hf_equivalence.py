@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from longctx.hf_interop import export_hf, load_pretrained
 CASES = [
     ("pool4_short", dict(index_kpool=4), 7),           # shorter than top-k: dense causal
     ("pool4_long", dict(index_kpool=4), 41),           # longer than top-k, not a multiple of 4
-    ("pool16_long", dict(index_kpool=16, index_topk=32), 75),  # pool 16, not a multiple of 16
+    ("pool16_long", dict(index_kpool=16, index_topk=16), 45),  # pool 16, not a multiple of 16
     ("shared_indexer", dict(num_hidden_layers=4, layer_types=["linear_attention", "indexed_attention",
                             "indexed_attention", "linear_attention"], indexer_types=["full", "full", "shared", "full"],
                             mlp_layer_types=["sparse", "dense", "sparse", "dense"]), 29),
@@ -49,7 +50,7 @@ def _random_case(seed: int):
 
 @pytest.mark.parametrize("name,kw,seq", CASES + [(f"random{s}", *_random_case(s)) for s in range(3)])
 def test_logits_match_transformers(tmp_path, name, kw, seq):
-    hf = make_checkpoint(tmp_path / "hf", seed=hash(name) % 1000, **kw)
+    hf = make_checkpoint(tmp_path / "hf", seed=zlib.crc32(name.encode()) % 1000, **kw)
     ours = load_pretrained(str(tmp_path / "hf")).eval()
     ids = torch.randint(1, 97, (2, seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -62,19 +63,21 @@ def test_logits_match_transformers(tmp_path, name, kw, seq):
 def test_export_roundtrip_through_transformers(tmp_path):
     from transformers import Glm5NextForConditionalGeneration
 
-    make_checkpoint(tmp_path / "hf", seed=3, **CASES[3][1])
+    hf = make_checkpoint(tmp_path / "hf", seed=3, **CASES[3][1])
     ours = load_pretrained(str(tmp_path / "hf")).eval()
     export_hf(ours, str(tmp_path / "export"))
     back = Glm5NextForConditionalGeneration.from_pretrained(str(tmp_path / "export")).eval()
     ids = torch.randint(1, 97, (1, 33), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert (back(input_ids=ids).logits - ours(ids).logits).abs().max().item() <= 1e-5
+        # the exported weights are the original ones: transformers computes exactly what it did before
+        assert torch.equal(back(input_ids=ids).logits, hf(input_ids=ids).logits)
+        assert (back(input_ids=ids).logits - ours(ids).logits).abs().max().item() <= 1e-4
     # and back into longctx again, without a vision source: transformers inits the vision tower itself
     ours.hf_source = None
     export_hf(ours, str(tmp_path / "export2"))
     back2 = Glm5NextForConditionalGeneration.from_pretrained(str(tmp_path / "export2")).eval()
     with torch.no_grad():
-        assert (back2(input_ids=ids).logits - ours(ids).logits).abs().max().item() <= 1e-5
+        assert torch.equal(back2(input_ids=ids).logits, hf(input_ids=ids).logits)
 
 
 def test_own_checkpoint_roundtrip(tmp_path):
@@ -98,7 +101,8 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_pretrained(str(tmp_path / "hf"))
     msg = str(e.value)
-    assert "mixer.indexer.wk.weight" in msg and "layers.0.self_attn.bogus.weight" in msg
+    assert "model.language_model.layers.3.self_attn.indexer.wk.weight" in msg
+    assert "model.language_model.layers.0.self_attn.bogus.weight" in msg
 
 
 @pytest.mark.parametrize("field,value,expect", [

@@ -122,7 +122,7 @@ def apply_plan(model, plan: MemoryPlan):
     return model.block_fn
 
 
-def plan_for_stage(cfg, stage, device) -> MemoryPlan:
+def plan_for_stage(cfg, stage, device, stage_index: int = 0) -> MemoryPlan:
     """The plan for one curriculum stage: config `memory`, then the stage's `memory`, then the
     estimator resolves "auto" (recompute and offload only when the stage would not fit)."""
     plan = MemoryPlan.from_dict(cfg.memory)
@@ -130,4 +130,11 @@ def plan_for_stage(cfg, stage, device) -> MemoryPlan:
         plan = MemoryPlan.from_dict(stage.memory, base=plan)
     from .estimate import resolve_auto
 
-    return resolve_auto(plan, cfg.model, stage.seq_len * stage.batch_size, device)
+    resolved, est = resolve_auto(plan, cfg.model, stage.seq_len * stage.batch_size, device)
+    if est is not None and not est["fits"]:
+        raise ConfigError(
+            f"stages.{stage_index}.seq_len ({stage.seq_len:,} x batch {stage.batch_size}) does not fit on this device even with "
+            f"recompute and offload (estimated {est['gpu_bytes'] / 2**30:.0f} GiB of {est['gpu_capacity'] / 2**30:.0f}); "
+            "lower the sequence length or batch size (see `longctx estimate`)."
+        )
+    return resolved

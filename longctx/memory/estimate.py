@@ -1,0 +1,220 @@
+"""`longctx estimate`: an analytic memory model of one training step, and the automatic plan.
+
+The model counts bytes, it does not run anything. For a config, tokens per step S (per GPU, after
+context parallelism) and a memory plan it adds up:
+
+  static      parameters (fp32 master), gradients (fp32), AdamW moments (2 x fp32), and the bf16
+              copies autocast keeps of the weights during a step;
+  kept        what survives from forward to backward: with full recompute each block's input
+              (the residual state: n_streams x hidden for mHC) plus, with selection reuse, the
+              int32 selection of each indexer layer; without recompute every activation a block's
+              backward needs (per-token constants below); split into GPU and host by offload;
+  working     the transient peak of the costliest block while it is recomputed and
+              backpropagated (its activations, their gradients, the KDA/DSA/MoE/indexer/loss
+              workspaces, each bounded by its chunk size when chunking is on).
+
+Per-token byte counts are written out per sub-layer in `_block_activation_bytes`; they follow the
+code in longctx/layers (bf16 activations, fp32 where the layer computes in fp32). Quadratic terms
+appear only when a switch is off: dense masked DSA (S x S scores) and the unchunked indexer
+(S x S/P scores). The figures the estimate prints next to measurements come from
+bench/memory.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from ..config import ModelConfig, preset
+from ..errors import ConfigError
+from .plan import MemoryPlan
+
+GIB = 2**30
+GPUS = {"h200": {"memory": 139.8 * GIB, "host": 125 * GIB}, "b200": {"memory": 178 * GIB, "host": 1000 * GIB},
+        "cpu": {"memory": 24 * GIB, "host": 24 * GIB}}
+ALLOCATOR_SLACK = 1.05  # caching-allocator fragmentation, measured on the H200 (see bench/memory.py)
+
+
+def _params(cfg: ModelConfig) -> int:
+    import torch
+
+    from ..model import LongCtxModel
+
+    with torch.device("meta"):
+        m = LongCtxModel(cfg)
+    return sum(p.numel() for p in m.parameters())
+
+
+def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan: MemoryPlan, a: int = 2) -> dict:
+    """Bytes a block saves for its backward when it runs *without* recompute, by component."""
+    D, n = cfg.hidden_size, cfg.hc_streams
+    out = {}
+    # residual connections: collapse input, norms, the expand (2 per block); mHC keeps its fp32
+    # normalised copy unless the cast is recomputed.
+    res = 2 * (D * a * 3)
+    if cfg.residual == "mhc":
+        res += 2 * (n * D * a + (0 if plan.mhc_cast_recompute else n * D * 4) + 40 * n * n * 4)
+    out["residual+norms"] = S * res
+    if kind == "K":
+        HK = cfg.kda_heads * cfg.kda_head_dim
+        # projections in, conv in/out (+ SiLU), L2-norm fp32 q/k, fp32 gate (+ pre-activation),
+        # the core op's saved q/k/v/g/beta and chunk states, gated norm (fp32) and o_proj input.
+        per = D * a + 3 * HK * a * 3 + 2 * HK * 4 + 2 * HK * 4 + cfg.kda_head_dim * a + 4 * HK * a + HK * 4
+        per += HK * 4 + HK * a * 2
+        out["kda"] = S * per
+    else:
+        H, L, R = cfg.attn_heads, cfg.kv_lora_rank, cfg.q_lora_rank
+        per = D * a + R * a * 2 + H * cfg.qk_nope_head_dim * a + L * a * 2 + H * L * a * 2 + H * 4
+        per += H * cfg.v_head_dim * a * 2
+        out["dsa"] = S * per
+        if not plan.sparse_kernel:
+            out["dsa dense scores"] = S * S * H * 4 // 2  # causal half of [H, S, S] fp32 probabilities
+    if mlp == "d":
+        out["mlp"] = S * (D * a + 3 * cfg.intermediate_size * a)
+    else:
+        k, I = cfg.experts_per_token, cfg.moe_intermediate_size
+        per = D * a + D * a * k + k * 3 * I * a + k * D * (a if plan.moe_bf16_combine else 4)
+        per += cfg.n_shared_experts * 3 * I * a + (0 if plan.router_release else cfg.n_routed_experts * 4 * 2)
+        out["moe"] = S * per
+    return out
+
+
+def _indexer_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan) -> int:
+    P = cfg.index_pool
+    pools = S // P
+    rows = min(S, plan.indexer_chunk) if plan.chunked_indexer else S
+    # fp32 scores per head for a block of queries, the head-summed score, top-k values/indices
+    return rows * pools * 4 * (cfg.index_heads + 2) + S * cfg.index_width() * 4 + pools * cfg.index_head_dim * 4
+
+
+def _moe_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, skew: float = 1.0) -> int:
+    rows = min(S, plan.moe_chunk) if plan.moe_chunk else S
+    k, I, D = cfg.experts_per_token, cfg.moe_intermediate_size, cfg.hidden_size
+    return int(rows * k * skew * (D * 2 + 3 * I * 2 + D * 4) + S * cfg.n_routed_experts * 4)
+
+
+def _loss_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan) -> int:
+    rows = min(S, plan.loss_chunk) if plan.loss_chunk else S
+    return rows * cfg.vocab_size * (2 + 4 + 4) + S * cfg.hidden_size * 2 * 2
+
+
+def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200") -> dict:
+    """The breakdown (bytes) for one step of S tokens per sequence split over `cp` GPUs."""
+    if gpu not in GPUS:
+        raise ConfigError(f"--gpu {gpu!r} is unknown; choose one of {', '.join(GPUS)}.")
+    S_local = -(-S // cp)
+    n_params = _params(cfg)
+    static = {"parameters (fp32)": n_params * 4, "gradients (fp32)": n_params * 4,
+              "AdamW moments (fp32)": n_params * 8, "bf16 weight copies": n_params * 2}
+    kinds, mlps = cfg.layer_kinds(), cfg.mlp_kinds()
+    width = {"mhc": cfg.hc_streams, "plain": 1, "attnres": cfg.attnres_blocks + 1}[cfg.residual]
+    state = S_local * width * cfg.hidden_size * 2
+    recompute = plan.recompute == "on"
+    n_off = plan.offload_blocks()
+    kept_gpu, kept_host = {}, {}
+    per_block = [_block_activation_bytes(cfg, k, m, S_local, plan) for k, m in zip(kinds, mlps)]
+    sel = S_local * cfg.index_width() * 4
+    for i, (k, blk) in enumerate(zip(kinds, per_block)):
+        if recompute:
+            b = state + (sel if (k == "D" and plan.reuse_selection and cfg.indexer_kinds()[i] == "f") else 0)
+        else:
+            b = state + sum(blk.values())
+        (kept_host if i < n_off else kept_gpu)[f"layer {i} ({k})"] = b
+    # the working set at the peak block: its activations (recomputed), their gradients, workspaces
+    work = {}
+    costliest = max(range(len(kinds)), key=lambda i: sum(per_block[i].values()))
+    if recompute:
+        work["recomputed block activations"] = sum(per_block[costliest].values())
+    work["state gradients (in flight)"] = 2 * state
+    work["indexer workspace"] = _indexer_workspace(cfg, S_local, plan) if "D" in kinds else 0
+    work["MoE workspace"] = _moe_workspace(cfg, S_local, plan) if "m" in mlps else 0
+    work["LM head + loss"] = _loss_workspace(cfg, S_local, plan)
+    work["prefetched offload block"] = state if n_off else 0
+    total_gpu = (sum(static.values()) + sum(kept_gpu.values()) + sum(work.values())) * ALLOCATOR_SLACK
+    host = sum(kept_host.values()) + (state if n_off else 0)
+    cap = GPUS[gpu]
+    return {"seq_len": S, "cp": cp, "gpu": gpu, "plan": plan.to_dict(), "params": n_params,
+            "static": static, "kept_gpu": kept_gpu, "kept_host": kept_host, "working": work,
+            "gpu_bytes": int(total_gpu), "host_bytes": int(host), "gpu_capacity": cap["memory"],
+            "host_capacity": cap["host"], "fits": total_gpu <= cap["memory"] * 0.97 and host <= cap["host"] * 0.8}
+
+
+def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200") -> tuple[MemoryPlan, dict]:
+    """Resolve recompute/offload "auto": the cheapest that fits — no recompute, else recompute,
+    else recompute + offload of as few blocks as needed."""
+    choices = []
+    rc = ["off", "on"] if plan.recompute == "auto" else [plan.recompute]
+    for r in rc:
+        offs = (["0"] + [str(i) for i in range(1, cfg.num_layers + 1)]) if plan.offload == "auto" else [plan.offload]
+        for o in offs:
+            if r == "off" and o not in ("0", "off"):
+                continue
+            choices.append(dataclasses.replace(plan, recompute=r, offload=o))
+    last = None
+    for c in choices:
+        e = estimate(cfg, S, c, cp, gpu)
+        last = (c, e)
+        if e["fits"]:
+            return c, e
+    return last
+
+
+def resolve_auto(plan: MemoryPlan, cfg: ModelConfig, tokens: int, device) -> tuple[MemoryPlan, dict | None]:
+    """Resolve "auto" switches for this device; returns (plan, its estimate or None)."""
+    if plan.recompute != "auto" and plan.offload != "auto":
+        return plan, None
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        free = torch.cuda.get_device_properties(device).total_memory
+        GPUS["this"] = {"memory": free, "host": GPUS["h200"]["host"]}
+        gpu = "this"
+    else:
+        gpu = "cpu"
+    return auto_plan(cfg, tokens, plan, 1, gpu)
+
+
+def format_report(e: dict) -> str:
+    g = lambda b: f"{b / GIB:9.2f}"  # noqa: E731
+    lines = [f"estimate: {e['seq_len']:,} tokens/sequence, CP {e['cp']}, {e['gpu']}, {e['params'] / 1e9:.3f}B parameters",
+             f"plan: recompute={e['plan']['recompute']} offload={e['plan']['offload']} "
+             f"sparse_kernel={e['plan']['sparse_kernel']} chunked_indexer={e['plan']['chunked_indexer']}", "",
+             f"{'component':<40}{'GiB':>9}"]
+    for title, part in (("static", e["static"]), ("kept for backward (GPU)", e["kept_gpu"]),
+                        ("kept for backward (host, offloaded)", e["kept_host"]), ("working set at the peak block", e["working"])):
+        if not part:
+            continue
+        lines.append(f"-- {title}: {sum(part.values()) / GIB:.2f} GiB")
+        for k, v in part.items():
+            lines.append(f"   {k:<37}{g(v)}")
+    lines.append("")
+    lines.append(f"{'GPU peak (x' + str(ALLOCATOR_SLACK) + ' allocator slack)':<40}{g(e['gpu_bytes'])}  of {e['gpu_capacity'] / GIB:.1f}")
+    lines.append(f"{'host (offloaded inputs)':<40}{g(e['host_bytes'])}  of {e['host_capacity'] / GIB:.1f}")
+    lines.append(f"verdict: {'fits' if e['fits'] else 'DOES NOT FIT'}")
+    return "\n".join(lines)
+
+
+def main(a) -> int:
+    cfg = preset(a.preset) if a.preset != "h200-curriculum" else preset("h200-ref")
+    if a.seq_len < 1:
+        raise ConfigError(f"--seq-len must be >= 1 (got {a.seq_len}).")
+    if a.cp < 1:
+        raise ConfigError(f"--cp must be >= 1 (got {a.cp}).")
+    forced = {}
+    for s in a.set or []:
+        if "=" not in s:
+            raise ConfigError(f"--set {s!r} must look like SWITCH=VALUE, e.g. offload=0.")
+        k, v = s.split("=", 1)
+        forced[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() and k not in ("offload",) else v)
+    plan = MemoryPlan.from_dict(forced)
+    plan, e = auto_plan(cfg, a.seq_len, plan, a.cp, a.gpu)
+    if a.json:
+        print(json.dumps(e, indent=2))
+    else:
+        print(format_report(e))
+    return 0 if e["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(None))

@@ -1,0 +1,105 @@
+"""KDA through fla-core 0.6.0's Triton kernels (CUDA only), imported lazily.
+
+Contract. The fla path takes the gate *before* its activation, so the gate, the q/k L2 norm and the
+decay cumsum all happen inside the kernel and nothing of size [B, T, H, K] in fp32 is kept:
+
+    fla_chunk_kda(q, k, v, g_raw, beta, A_log=, dt_bias=, lower_bound=, scale=, ...)
+        == kda_chunk(l2norm(q), l2norm(k), v, kda_gate(g_raw, A_log, dt_bias, lower_bound), beta, scale, ...)
+
+with `l2norm`, `kda_gate`, `kda_chunk` from `longctx.ops.kda.naive` (tests/test_gpu_kda.py checks
+this). q, k are the raw (post conv + SiLU) projections [B,T,H,K]; g_raw = f_b_proj(f_a_proj(x)) as
+[B,T,H,K]; A_log [H] and dt_bias [H*K] fp32 parameters (they receive gradients); beta [B,T,H]
+already through its sigmoid. With a lower bound in [-5, 0) fla's `safe_gate` path runs (the bounded
+decay: 16-token tiles on tensor cores); a lower bound below -5 still bounds the gate but runs fla's
+general path; lower_bound None is the softplus gate. initial_state / final state are fp32
+[N, H, K, V]. `fla_recurrent_kda` is the same contract, forward only, for decoding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["fla_available", "fla_chunk_kda", "fla_recurrent_kda"]
+
+
+@functools.lru_cache(maxsize=1)
+def _import_error() -> str | None:
+    try:
+        import fla.ops.kda  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or a triton/torch mismatch raised while importing
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def fla_available() -> bool:
+    """True when fla's KDA kernels import and a CUDA device is present."""
+    return torch.cuda.is_available() and _import_error() is None
+
+
+def _require(*tensors: torch.Tensor) -> None:
+    err = _import_error()
+    if err is not None:
+        raise RuntimeError(f"the fla KDA backend needs fla-core 0.6.0 (pip install fla-core==0.6.0); importing it failed: {err}")
+    for t in tensors:
+        if not t.is_cuda:
+            raise RuntimeError(f"the fla KDA backend runs on CUDA tensors only; got a tensor on {t.device}. Use backend='torch'.")
+
+
+def _gate_kwargs(A_log, dt_bias, lower_bound):
+    return {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias, "lower_bound": lower_bound}
+
+
+def fla_chunk_kda(
+    q, k, v, g_raw, beta, *, A_log, dt_bias, lower_bound, scale,
+    initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64,
+):
+    """Training / prefill: fla `chunk_kda` (fwd + bwd). Returns (o [B,T,H,V] in v.dtype, final state or None)."""
+    from fla.ops.kda import chunk_kda
+
+    _require(q)
+    if chunk_size not in (32, 64):
+        raise ValueError(f"the fla KDA kernel takes chunk_size 32 or 64; got {chunk_size}. Set model.kda_chunk_size to 64.")
+    if q.shape[-1] > 256:
+        raise ValueError(f"the fla KDA kernel takes head_dim <= 256; got q {tuple(q.shape)}.")
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
+    if initial_state is not None:
+        initial_state = initial_state.float()
+    return chunk_kda(
+        q, k, v, g_raw, beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=True,
+        safe_gate=lower_bound is not None and -5.0 <= lower_bound < 0.0,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+        **_gate_kwargs(A_log, dt_bias, lower_bound),
+    )
+
+
+def fla_recurrent_kda(
+    q, k, v, g_raw, beta, *, A_log, dt_bias, lower_bound, scale,
+    initial_state=None, output_final_state=True, cu_seqlens=None,
+):
+    """Decoding: fla `fused_recurrent_kda` (forward only). Returns (o, final state fp32 or None)."""
+    from fla.ops.kda import fused_recurrent_kda
+
+    _require(q)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g_raw, beta, A_log, dt_bias)):
+        raise RuntimeError("fla's fused_recurrent_kda has no backward; run decoding under torch.no_grad() or use backend='torch'.")
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
+    if initial_state is not None:
+        initial_state = initial_state.float()
+    return fused_recurrent_kda(
+        q, k, v, g_raw, beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens,
+        **_gate_kwargs(A_log, dt_bias, lower_bound),
+    )
