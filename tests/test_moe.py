@@ -109,7 +109,7 @@ def test_router_stays_fp32_when_model_is_cast():
     assert moe.experts.gate_up.dtype == moe.shared.up_proj.weight.dtype == torch.bfloat16
     assert isinstance(moe.router.weight, torch.nn.Parameter) and "bias" in moe.router._buffers
     y = moe(torch.randn(5, 32, dtype=torch.bfloat16))
-    assert y.dtype == torch.bfloat16 and moe.last_impl == "loop"
+    assert y.dtype == torch.bfloat16 and moe.last_impl == "moe:loop"
 
 
 def test_group_limit_validated():
@@ -140,7 +140,7 @@ def test_chunked_equals_unchunked(combine):
     for n in gp0:
         assert gp0[n] is not None and gp0[n].abs().sum() > 0, n
         torch.testing.assert_close(gp1[n], gp0[n], atol=1e-5, rtol=1e-4)
-    assert ref.last_impl == chk.last_impl == "loop"
+    assert ref.last_impl == chk.last_impl == "moe:loop"
     torch.testing.assert_close(chk.last_load, ref.last_load)
 
 
@@ -316,11 +316,11 @@ def test_grouped_mm_matches_loop_cuda():
         xi = x.clone().requires_grad_()
         y = moe(xi)
         (y.float() * g.float()).sum().backward()
-        assert moe.last_impl == impl
+        assert moe.last_impl == f"moe:{impl}"
         res[impl] = (y.float(), xi.grad.float(), {n: p.grad.float() for n, p in moe.named_parameters()})
     moe.impl = "auto"
     moe(x)
-    assert moe.last_impl == "grouped_mm"
+    assert moe.last_impl == "moe:grouped_mm"
 
     def rel(a, b):
         return ((a - b).norm() / b.norm()).item()

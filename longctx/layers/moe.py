@@ -328,7 +328,7 @@ class MoE(nn.Module):
         out = torch.cat(outs) if len(outs) != 1 else outs[0]
 
         if record:
-            self.last_impl = impl
+            self.last_impl = f"moe:{impl}"
             self.router_state = keep
             self.last_load = load.detach().float()
             self.aux_loss = None

@@ -1,5 +1,10 @@
-"""DSA sparse attention: the plain-torch twin (`naive.py`) and, on CUDA, the Triton kernel."""
+"""DSA sparse attention: the plain-torch twin (`naive.py`) and, on CUDA, our Triton kernel."""
 
 from .naive import dense_masked_attention, sparse_attention_torch
 
-__all__ = ["sparse_attention_torch", "dense_masked_attention"]
+try:  # triton is optional on the CPU; the DSA layer reports which implementation ran
+    from .triton_kernel import sparse_attention_triton
+except ImportError:  # pragma: no cover - exercised only without triton installed
+    sparse_attention_triton = None
+
+__all__ = ["sparse_attention_torch", "dense_masked_attention", "sparse_attention_triton"]

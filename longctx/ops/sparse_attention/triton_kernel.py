@@ -11,7 +11,8 @@ per query (and group of up to 64 heads) makes the heads the MMA M dimension and 
 latent row once per tile for all of them. The row is both key and value, so one gathered tile
 feeds both the score product and the value product. The backward recomputes P from the saved
 log-sum-exp, keeps dQ in registers for the whole index list, and scatters dKV with fp32 atomics
-(one query's rows are distinct tokens, but different queries hit the same rows).
+(many queries select the same rows; a repeated index within one query also just adds up).
+Tile sizes, the measured rates and the dead ends are in bench/NOTES.md.
 
 Runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (the CPU tests do that).
 Shapes it cannot take raise a ValueError; there is no fallback path.
@@ -33,6 +34,20 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def _softmax_pv_step(s, valid, k, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
+    """One online-softmax update with a [BLOCK_H, BLOCK_N] score tile; k is also the value."""
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing valid yet
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(k.dtype), k, acc, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _sparse_attn_fwd(
     Q, KV, IDX, O, LSE,
     qk_scale,  # scale * log2(e): scores live in the log2 domain
@@ -44,7 +59,8 @@ def _sparse_attn_fwd(
     S_kv, H,
     K: tl.constexpr,  # slots per query; constexpr so the interpreter (numpy>=2.3) can loop over it
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr,
+    PREC: tl.constexpr,  # "ieee" for fp32 inputs (exact reference checks), else unused by bf16 MMAs
+    LOOKAHEAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BLOCK_H
@@ -66,28 +82,35 @@ def _sparse_attn_fwd(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
 
-    for n0 in range(0, K, BLOCK_N):
-        slot = n0 + offs_n
-        j = tl.load(idx_base + slot, mask=slot < K, other=-1).to(tl.int64)
+    if LOOKAHEAD:
+        # Scores run one tile ahead of the softmax: iteration i computes S for tile i+1, then
+        # finishes tile i. With S feeding only a loop-carried value (not the P@V product
+        # directly), triton 3.6 splits the score MMA over both warpgroups (8 warps, M = 64 heads)
+        # instead of having each warpgroup compute the same tile: 176 -> 199 TFLOP/s at H=64.
+        j = tl.load(idx_base + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
         valid = (j >= 0) & (j < S_kv)
         k = tl.load(kv_base + j[:, None] * stride_kvs + offs_d[None, :],
                     mask=valid[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing valid yet
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if IEEE:
-            acc = tl.dot(p.to(k.dtype), k, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(k.dtype), k, acc)
-        m_i = m_new
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        for n0 in range(BLOCK_N, K + BLOCK_N, BLOCK_N):  # the last prefetch is fully masked
+            slot = n0 + offs_n
+            j_nx = tl.load(idx_base + slot, mask=slot < K, other=-1).to(tl.int64)
+            valid_nx = (j_nx >= 0) & (j_nx < S_kv)
+            k_nx = tl.load(kv_base + j_nx[:, None] * stride_kvs + offs_d[None, :],
+                           mask=valid_nx[:, None] & d_ok[None, :], other=0.0)
+            s_nx = tl.dot(q, tl.trans(k_nx), input_precision=PREC)
+            m_i, l_i, acc = _softmax_pv_step(s, valid, k, m_i, l_i, acc, qk_scale, PREC)
+            k, s, valid = k_nx, s_nx, valid_nx
+    else:
+        # with 4 warps (small head blocks) nothing is duplicated and the plain loop is faster
+        for n0 in range(0, K, BLOCK_N):
+            slot = n0 + offs_n
+            j = tl.load(idx_base + slot, mask=slot < K, other=-1).to(tl.int64)
+            valid = (j >= 0) & (j < S_kv)
+            k = tl.load(kv_base + j[:, None] * stride_kvs + offs_d[None, :],
+                        mask=valid[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+            m_i, l_i, acc = _softmax_pv_step(s, valid, k, m_i, l_i, acc, qk_scale, PREC)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -113,7 +136,7 @@ def _sparse_attn_bwd(
     S_kv, H,
     K: tl.constexpr,  # slots per query; constexpr so the interpreter (numpy>=2.3) can loop over it
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr,
+    PREC: tl.constexpr,  # "ieee" for fp32 inputs (exact reference checks), else unused by bf16 MMAs
 ):
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BLOCK_H
@@ -148,26 +171,19 @@ def _sparse_attn_bwd(
         valid = (j >= 0) & (j < S_kv)
         nd_ok = valid[:, None] & d_ok[None, :]
         k = tl.load(kv_base + j[:, None] * stride_kvs + offs_d[None, :], mask=nd_ok, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do, tl.trans(k))
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        dp = tl.dot(do, tl.trans(k), input_precision=PREC)  # dP = dO V^T, V = K
         keep = valid[None, :] & h_ok[:, None]
         p = tl.where(keep, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
         ds = p * (dp - delta[:, None])
-        ds_lo = ds.to(k.dtype)
-        p_lo = p.to(k.dtype)
-        if IEEE:
-            dq = tl.dot(ds_lo, k, dq, input_precision="ieee")
-            dkv = tl.dot(tl.trans(p_lo), do, input_precision="ieee")
-            dkv = tl.dot(tl.trans((ds * scale).to(k.dtype)), q, dkv, input_precision="ieee")
-        else:
-            dq = tl.dot(ds_lo, k, dq)
-            dkv = tl.dot(tl.trans(p_lo), do)
-            dkv = tl.dot(tl.trans((ds * scale).to(k.dtype)), q, dkv)
-        tl.atomic_add(dkv_base + j[:, None] * stride_dks + offs_d[None, :], dkv, mask=nd_ok, sem="relaxed")
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+        # dkv^T [D, BLOCK_N] = dO^T P + Q^T (scale dS): D is the MMA M dimension (wgmma wants
+        # M >= 64 and BLOCK_N is small), and q, dO are read through transposed views of the
+        # shared-memory copies the score products already use
+        dkv_t = tl.dot(tl.trans(do), p.to(k.dtype), input_precision=PREC)
+        dkv_t = tl.dot(tl.trans(q), (ds * scale).to(k.dtype), dkv_t, input_precision=PREC)
+        tl.atomic_add(dkv_base + j[None, :] * stride_dks + offs_d[:, None], dkv_t,
+                      mask=valid[None, :] & d_ok[:, None], sem="relaxed")
 
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + t * stride_dqs + offs_h[:, None] * stride_dqh + offs_d[None, :],
@@ -214,15 +230,26 @@ def _check(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> None:
 
 
 def _cfg(H: int, D: int, backward: bool) -> dict:
-    """Tile sizes: up to 64 heads per program (an fp32 [64, 512] accumulator is what fits)."""
+    """Tile sizes (no autotuning: compiles cost minutes). Up to 64 heads per program: an fp32
+    [64, 512] accumulator is half the register file. Chosen from register/shared-memory counts
+    of sm_90 builds and the sweep in bench/sparse_attention.py (see bench/NOTES.md)."""
     block_h = 64 if H > 32 else max(16, triton.next_power_of_2(H))
     block_d = triton.next_power_of_2(D)
-    if backward:
-        block_n = 16 if block_h * block_d > 64 * 256 else 32
-    else:
-        block_n = 32 if block_h * block_d > 64 * 256 else 64
-    warps = 8 if block_h * block_d >= 64 * 256 else 4
-    return dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=warps, num_stages=2)
+    big = block_h * block_d >= 64 * 256
+    if backward:  # dq [H, D] and a dkv^T [D, BLOCK_N] tile both live in registers
+        # num_stages=1 miscompiles here (triton 3.6: invalid shared-memory reads), so always 2
+        n, warps = (32, 8) if big else (16, 4)
+        return {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_N": n, "num_warps": warps, "num_stages": 2}
+    n, warps = (32, 8) if big else (64, 4)
+    return {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_N": n, "num_warps": warps, "num_stages": 2, "LOOKAHEAD": big}
+
+
+LAST_LAUNCH: dict = {}  # "fwd"/"bwd" -> config and compiled-kernel facts (registers, spills), for the benchmark
+
+
+def _note_launch(which: str, kern, cfg: dict) -> None:
+    LAST_LAUNCH[which] = dict(cfg, n_regs=getattr(kern, "n_regs", None), n_spills=getattr(kern, "n_spills", None),
+                              shared=getattr(kern, "metadata", None) and getattr(kern.metadata, "shared", None))
 
 
 def _last_contig(x: torch.Tensor) -> torch.Tensor:
@@ -241,7 +268,7 @@ def sparse_attention_fwd(q, kv, idx, scale, cfg=None):
     if S == 0 or B == 0:
         return o, lse
     grid = (S, triton.cdiv(H, c["BLOCK_H"]), B)
-    _sparse_attn_fwd[grid](
+    kern = _sparse_attn_fwd[grid](
         q, kv, idx, o, lse, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
@@ -250,9 +277,10 @@ def sparse_attention_fwd(q, kv, idx, scale, cfg=None):
         lse.stride(0), lse.stride(1),
         kv.shape[1], H, K=K,
         D=D, BLOCK_D=c["BLOCK_D"], BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
-        IEEE=q.dtype == torch.float32,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", LOOKAHEAD=c.get("LOOKAHEAD", c["num_warps"] == 8),
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
+    _note_launch("fwd", kern, c)
     return o, lse
 
 
@@ -267,7 +295,7 @@ def sparse_attention_bwd(q, kv, idx, o, lse, do, scale, cfg=None):
     if S == 0 or B == 0:
         return dq, dkv.to(kv.dtype)
     grid = (S, triton.cdiv(H, c["BLOCK_H"]), B)
-    _sparse_attn_bwd[grid](
+    kern = _sparse_attn_bwd[grid](
         q, kv, idx, o, do, lse, dq, dkv,
         scale, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -280,9 +308,10 @@ def sparse_attention_bwd(q, kv, idx, o, lse, do, scale, cfg=None):
         dkv.stride(0), dkv.stride(1),
         kv.shape[1], H, K=K,
         D=D, BLOCK_D=c["BLOCK_D"], BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
-        IEEE=q.dtype == torch.float32,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
+    _note_launch("bwd", kern, c)
     return dq, dkv.to(kv.dtype)
 
 
@@ -304,7 +333,10 @@ class _SparseAttention(torch.autograd.Function):
 def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B,S,H,D], kv [B,S_kv,D], idx [B,S,K] int32 (-1 = unused) -> o [B,S,H,D]; differentiable in q, kv.
 
-    Indices must lie in [-1, S_kv); any order. A query with only -1 gets a zero output.
+    Indices must lie in [-1, S_kv), in any order; a query with only -1 gets a zero output. The
+    kernel masks indices outside [0, S_kv) like -1 instead of reading out of bounds; it does not
+    validate them (that would cost a device sync per call). K is a compile-time constant: each
+    distinct K compiles once.
     """
     _check(q, kv, idx)
     if not math.isfinite(scale):
