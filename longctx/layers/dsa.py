@@ -1,0 +1,131 @@
+"""DeepSeek Sparse Attention layer: NoPE multi-head latent attention in the absorbed form.
+
+Without rotary dims every head's key is k_h = W_k,h c and its value v_h = W_v,h c, with c the
+shared kv_lora-wide latent. Folding W_k,h into the query (q_abs = W_k,h^T q_h) lets all heads
+attend to the latent itself: one shared KV "head" (MQA) of width kv_lora, which is what the sparse
+kernel gathers. W_v,h is applied after attention, per head. Scale = qk_nope_head_dim^-1/2, as in
+the unabsorbed reference.
+
+The token set per query comes from this layer's k-pool indexer ('f' layers) or from the previous
+full layer ('s' layers). attn_impl "sparse" gathers only the selected latents; "dense" is the
+O(S^2) masked baseline. No silent fallback between them or between backends.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..ops import sparse_attention as sparse_ops
+from .kpool_indexer import GrowBuffer, IndexerCache, KPoolIndexer
+from .norms import RMSNorm
+
+ATTN_IMPLS = ("sparse", "dense")
+BACKENDS = ("auto", "torch", "triton")
+
+
+class DSACache:
+    """Decoding state of one DSA layer: latent rows c of every past token, and the indexer's state."""
+
+    def __init__(self):
+        self.latent = GrowBuffer()
+        self.indexer = IndexerCache()
+
+    @property
+    def length(self) -> int:
+        return self.latent.n
+
+
+class SparseMLA(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.cfg = cfg
+        self.n_heads = cfg.attn_heads
+        self.nope, self.v_dim, self.kv_lora = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.scale = self.nope**-0.5
+        hidden = cfg.hidden_size
+        self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * self.nope, bias=False)
+        self.kv_a_proj = nn.Linear(hidden, self.kv_lora, bias=False)
+        self.kv_a_norm = RMSNorm(self.kv_lora, eps=cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, hidden, bias=False)
+        self.indexer = KPoolIndexer(cfg, layer_idx) if cfg.indexer_kinds()[layer_idx] == "f" else None
+        # Switches set by the memory plan.
+        self.attn_impl = "sparse"
+        self.backend = "auto"
+        self.attn_chunk = 256  # queries per pass of the torch twin (the indexer has its own `chunk`)
+        self.last_impl: str | None = None
+        self.indexer_loss_value: torch.Tensor | None = None
+
+    def init_cache(self, batch: int = 1, device=None, dtype=None) -> DSACache:
+        """An empty decoding cache (its buffers take the shape, device and dtype of the first tokens)."""
+        return DSACache()
+
+    def forward(self, x: torch.Tensor, prev_selection: torch.Tensor | None = None, cache: DSACache | None = None,
+                forced_selection: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> (y [B, T, hidden], selection int32 [B, T, width]).
+
+        prev_selection: the previous full layer's selection (required on shared layers).
+        forced_selection: this layer's selection kept from the first forward (recompute with
+        selection reuse): the indexer is not run again, and neither is its KL (the first pass has it).
+        cache: decoding state; x is then the T newest tokens and the selection holds absolute positions.
+        """
+        B, T, _ = x.shape
+        H = self.n_heads
+        q_latent = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_latent).view(B, T, H, self.nope)
+        c = self.kv_a_norm(self.kv_a_proj(x))  # [B, T, kv_lora]
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora)
+        q_abs = torch.einsum("bthn,hnl->bthl", q, w[:, : self.nope])
+        kv = c if cache is None else cache.latent.append(c)
+
+        selection = forced_selection
+        if selection is None:
+            if self.indexer is not None:
+                selection = self.indexer.select(x, q_latent, cache=None if cache is None else cache.indexer)
+            elif prev_selection is None:
+                raise ValueError(
+                    f"DSA layer {self.layer_idx} shares the previous full layer's selection (indexer_pattern 's') "
+                    "but no prev_selection was passed."
+                )
+            else:
+                selection = prev_selection
+        if selection.shape[:2] != (B, T):
+            raise ValueError(f"DSA layer {self.layer_idx}: selection has shape {tuple(selection.shape)}, "
+                             f"expected [{B}, {T}, width].")
+
+        o_lat = self._attend(q_abs, kv, selection)
+        o = torch.einsum("bthl,hvl->bthv", o_lat, w[:, self.nope :])
+        y = self.o_proj(o.reshape(B, T, H * self.v_dim))
+
+        self.indexer_loss_value = None
+        if (self.indexer is not None and self.cfg.indexer_loss and self.training and cache is None
+                and forced_selection is None):
+            # Unscaled KL (the model applies indexer_loss_coef). Built with its own graph even under
+            # no_grad (a recompute's first pass), from detached inputs: only the indexer learns from it.
+            dense = T <= self.cfg.indexer_loss_dense_below
+            self.indexer_loss_value = self.indexer.kl_loss(x, q_latent, q_abs, c, self.scale, selection=selection,
+                                                           dense=dense)
+        return y, selection
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if self.attn_impl == "dense":
+            self.last_impl = "dsa:dense-masked"
+            return sparse_ops.dense_masked_attention(q, kv, idx, self.scale)
+        if self.attn_impl != "sparse":
+            raise ConfigError(f"DSA attn_impl must be one of {', '.join(ATTN_IMPLS)} (got {self.attn_impl!r}).")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"DSA backend must be one of {', '.join(BACKENDS)} (got {self.backend!r}).")
+        kernel = getattr(sparse_ops, "sparse_attention_triton", None)
+        if self.backend == "triton" or (self.backend == "auto" and q.is_cuda and kernel is not None):
+            if kernel is None:
+                raise ConfigError("DSA backend 'triton' was requested but longctx.ops.sparse_attention has no "
+                                  "sparse_attention_triton kernel here; set the backend to 'auto' or 'torch'.")
+            self.last_impl = "dsa:triton-sparse"
+            return kernel(q, kv, idx, self.scale)  # raises (naming the shape) on what it cannot take
+        self.last_impl = "dsa:torch-sparse"
+        return sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk)
