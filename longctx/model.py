@@ -95,7 +95,10 @@ class LongCtxModel(nn.Module):
 
     # ------------------------------------------------------------------ trunk
     def hidden(self, input_ids: torch.Tensor, caches=None, cu_seqlens=None) -> torch.Tensor:
-        state = self.stream.init(self.embed(input_ids))
+        h = self.embed(input_ids)
+        if torch.is_autocast_enabled(h.device.type):  # the residual stream lives in the compute dtype
+            h = h.to(torch.get_autocast_dtype(h.device.type))
+        state = self.stream.init(h)
         selection = None
         for i, block in enumerate(self.layers):
             cache = caches[i] if caches is not None else None

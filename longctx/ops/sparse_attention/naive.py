@@ -31,6 +31,11 @@ def sparse_attention_torch(
 
 
 def _block(q, kv, idx, scale):
+    with torch.autocast(q.device.type, enabled=False):  # softmax statistics in fp32 even under autocast
+        return _block_fp32(q, kv, idx, scale)
+
+
+def _block_fp32(q, kv, idx, scale):
     B, s, H, D = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
     valid = idx >= 0  # [B, s, K]
@@ -50,6 +55,11 @@ def dense_masked_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
 
     This is also what a plain implementation does (the `baseline` memory setting); it is O(S^2).
     """
+    with torch.autocast(q.device.type, enabled=False):
+        return _dense_fp32(q, kv, idx, scale)
+
+
+def _dense_fp32(q, kv, idx, scale):
     B, S, H, D = q.shape
     Skv = kv.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
