@@ -13,6 +13,8 @@ O(S^2) masked baseline. No silent fallback between them or between backends.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -23,6 +25,7 @@ from .norms import RMSNorm
 
 ATTN_IMPLS = ("sparse", "dense")
 BACKENDS = ("auto", "torch", "triton")
+_WARNED: set[str] = set()
 
 
 class DSACache:
@@ -102,9 +105,11 @@ class SparseMLA(nn.Module):
         o = torch.einsum("bthl,hvl->bthv", o_lat, w[:, self.nope :])
         y = self.o_proj(o.reshape(B, T, H * self.v_dim))
 
-        self.indexer_loss_value = None
+        in_backward = torch._C._current_graph_task_id() != -1  # a block recompute: the first pass's KL counts
+        if not in_backward:
+            self.indexer_loss_value = None
         if (self.indexer is not None and self.cfg.indexer_loss and self.training and cache is None
-                and forced_selection is None):
+                and forced_selection is None and not in_backward):
             # Unscaled KL (the model applies indexer_loss_coef). Built with its own graph even under
             # no_grad (a recompute's first pass), from detached inputs: only the indexer learns from it.
             dense = T <= self.cfg.indexer_loss_dense_below
@@ -127,5 +132,9 @@ class SparseMLA(nn.Module):
                                   "sparse_attention_triton kernel here; set the backend to 'auto' or 'torch'.")
             self.last_impl = "dsa:triton-sparse"
             return kernel(q, kv, idx, self.scale)  # raises (naming the shape) on what it cannot take
+        if q.is_cuda and self.backend == "auto" and kernel is None and "dsa" not in _WARNED:
+            _WARNED.add("dsa")
+            warnings.warn("DSA runs the plain-torch sparse twin on CUDA because the Triton kernel is not importable; "
+                          "install triton or set backend=torch to accept it.", RuntimeWarning, stacklevel=2)
         self.last_impl = "dsa:torch-sparse"
         return sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk)

@@ -13,6 +13,7 @@ plain-torch twin elsewhere. Decoding carries a `KDAState` (the conv window and t
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,15 @@ from ..ops.kda import (
 )
 from .norms import GatedRMSNorm
 
-BACKENDS = ("auto", "torch", "fla", "triton")  # "triton" = the fla kernels (they are Triton)
+BACKENDS = ("auto", "torch", "fla", "triton")
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    """A fallback on the GPU is never silent: say it once per process (the step log shows it too)."""
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)  # "triton" = the fla kernels (they are Triton)
 
 
 @dataclass
@@ -143,7 +152,11 @@ class KimiDeltaAttention(nn.Module):
                     f"fla {'importable' if fla_available() else 'not importable'}); set the backend to 'auto' or 'torch'."
                 )
             return "fla"
-        return "fla" if x.is_cuda and fla_available() else "torch"
+        if x.is_cuda and not fla_available():
+            _warn_once("KDA runs the plain-torch twin on CUDA because fla-core is not importable (much slower and "
+                       "more memory); install fla-core==0.6.0 (`pip install -e .[gpu]`) or set backend=torch to accept it.")
+            return "torch"
+        return "fla" if x.is_cuda else "torch"
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, state: KDAState | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:

@@ -110,11 +110,13 @@ class _Fp32Logits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
-        return F.linear(x.float(), weight.float())
+        with torch.autocast(x.device.type, enabled=False):  # autocast would redo it in bf16
+            return F.linear(x.float(), weight.float())
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
+        g = g.float()
         gx = (g @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
         gw = (g.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return gx, gw
