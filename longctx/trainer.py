@@ -22,8 +22,8 @@ import time
 import torch
 
 from . import checkpoint as ckpt
-from .data.packing import PackedStream, eval_windows
-from .data.sources import load_split
+from .data.packing import MixedStream, PackedStream, eval_windows
+from .data.sources import load_documents, load_split
 from .data.tokenizers import load_tokenizer, separator_id, tokenize_documents
 from .errors import ConfigError, UserError
 from .evaluate import format_table, per_position_loss
@@ -96,7 +96,17 @@ class Trainer:
         eos = separator_id(tok, cfg.data.separator)
         self.stream = PackedStream(self.train_tokens, cfg.stages[0].seq_len, cfg.seed, eos_id=eos,
                                    batch_size=cfg.stages[0].batch_size)
-        n_train = sum(len(t) for t in self.train_tokens)
+        # Per-stage data mixtures: "main" (data.path) plus the named data.sources.
+        self.source_names = ["main", *cfg.data.sources]
+        if len(self.source_names) > 1:
+            streams = [self.stream]
+            for j, name in enumerate(self.source_names[1:], 1):
+                docs = load_documents(cfg.data.sources[name], cfg.data.text_field, setting=f"data.sources.{name}")
+                toks = tokenize_documents(docs, tok, quiet=quiet, desc=f"tokenizing {name}")
+                streams.append(PackedStream(toks, cfg.stages[0].seq_len, cfg.seed + j, eos_id=eos,
+                                            batch_size=cfg.stages[0].batch_size))
+            self.stream = MixedStream([(st, 1.0) for st in streams], cfg.seed, cfg.stages[0].batch_size)
+        n_train = sum(len(t) for t in self.train_tokens)  # the main source bounds the window
         for i, s in enumerate(cfg.stages):
             if s.seq_len * s.batch_size >= n_train:
                 raise ConfigError(
@@ -238,6 +248,9 @@ class Trainer:
                 stage = self.cfg.stages[si]
                 if k == 0 or self.stream.seq_len != stage.seq_len:
                     self.stream.set_window(stage.seq_len, stage.batch_size)
+                    if isinstance(self.stream, MixedStream):
+                        mix = stage.data_mix or {"main": 1.0}
+                        self.stream.set_weights([float(mix.get(n, 0.0)) for n in self.source_names])
                     self.apply_memory(stage)
                     if not self.quiet:
                         self.log(f"stage {si}: {stage.steps} steps at {stage.seq_len} tokens x {stage.batch_size}, lr {stage.lr}")

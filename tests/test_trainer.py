@@ -146,3 +146,20 @@ def test_corrupt_checkpoint_is_refused_and_nothing_is_lost(tmp_path):
 def test_print_config_and_generate(tmp_path):
     r = _cli("train", "--print-config", "--set", "model.hidden_size=64")
     assert r.returncode == 0 and "hidden_size = 64" in r.stdout
+
+
+def test_stage_data_mixture_switches_sources(tmp_path):
+    (tmp_path / "main.txt").write_text("the main corpus. " * 400)
+    (tmp_path / "long.txt").write_text("a long document source; " * 400)
+    sets = ["preset=tiny", "model.vocab_size=256", f"data.path={tmp_path / 'main.txt'}", "data.eval_docs=1",
+            f"data.sources.long={tmp_path / 'long.txt'}", "data.eval_windows=1",
+            "stages.0.seq_len=32", "stages.0.steps=3", "stages.0.warmup=0", "stages.0.data_mix.main=1.0",
+            "stages.1.seq_len=64", "stages.1.steps=2", "stages.1.warmup=0", "stages.1.data_mix.long=1.0"]
+    tr = Trainer(load_train_config(None, None, sets), out_dir=str(tmp_path / "a"), quiet=True)
+    tr.run(stop_after=3)
+    main, long = tr.stream.streams
+    assert main.cursor > 0 and long.cursor == 0 and long.epoch == 0  # stage 0: main only
+    tr = Trainer(load_train_config(None, None, sets), out_dir=str(tmp_path / "a"), quiet=True)
+    tr.run(resume=True)
+    main2, long2 = tr.stream.streams
+    assert (main2.epoch, main2.cursor) == (main.epoch, main.cursor) and long2.cursor == 2 * 64  # stage 1: long only

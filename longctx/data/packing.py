@@ -160,6 +160,13 @@ class MixedStream:
         self.rows = 0
         self.set_window(self.streams[0].seq_len, batch_size or self.streams[0].batch_size)
 
+    def set_weights(self, weights: Sequence[float]) -> None:
+        """A new mixture (a curriculum stage); the row counter and the sub-streams carry on."""
+        w = np.array([float(x) for x in weights], dtype=np.float64)
+        if len(w) != len(self.streams) or not all(math.isfinite(x) and x >= 0 for x in w) or w.sum() <= 0:
+            raise ValueError(f"mixture weights must be {len(self.streams)} finite numbers >= 0, not all zero (got {w.tolist()})")
+        self.probs = w / w.sum()
+
     def set_window(self, seq_len: int, batch_size: int | None = None) -> None:
         for s in self.streams:
             s.set_window(seq_len)
