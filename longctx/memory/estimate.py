@@ -23,6 +23,7 @@ bench/memory.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 
@@ -37,12 +38,18 @@ ALLOCATOR_SLACK = 1.05  # caching-allocator fragmentation, measured on the H200 
 
 
 def _params(cfg: ModelConfig) -> int:
+    return _params_of(cfg.to_json())
+
+
+@functools.lru_cache(maxsize=16)
+def _params_of(cfg_json: str) -> int:
+    """Parameters of the model (built on the meta device, once per config)."""
     import torch
 
     from ..model import LongCtxModel
 
     with torch.device("meta"):
-        m = LongCtxModel(cfg)
+        m = LongCtxModel(ModelConfig.from_dict(json.loads(cfg_json)))
     return sum(p.numel() for p in m.parameters())
 
 
@@ -99,8 +106,34 @@ def _loss_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan) -> int:
     return rows * cfg.vocab_size * (2 + 4 + 4) + S * cfg.hidden_size * 2 * 2
 
 
-def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200") -> dict:
-    """The breakdown (bytes) for one step of S tokens per sequence split over `cp` GPUs."""
+def _indexer_kl_kept(cfg: ModelConfig, S: int, a: int) -> int:
+    """With `indexer_loss`, each full DSA layer's KL graph (built in the first forward, recompute or
+    not) keeps its detached inputs to backward: x, q_latent, the absorbed queries [S, H, kv_lora],
+    the latent, and the indexer's key and gate rows."""
+    if not cfg.indexer_loss:
+        return 0
+    per = (cfg.hidden_size + cfg.q_lora_rank + cfg.attn_heads * cfg.kv_lora_rank + cfg.kv_lora_rank) * a
+    return S * (per + 2 * cfg.index_head_dim * 4)
+
+
+def _kept_selections(cfg: ModelConfig, plan: MemoryPlan) -> list[bool]:
+    """Per layer: does recompute keep an int32 selection there? A full ('f') DSA layer keeps its own
+    with `reuse_selection`; without it, the first shared ('s') layer after it keeps it as input."""
+    kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
+    out, owner_kept = [], False
+    for k, f in zip(kinds, idx):
+        keep = False
+        if k == "D" and f == "f":
+            keep = owner_kept = plan.reuse_selection
+        elif k == "D" and not owner_kept:
+            keep = owner_kept = True
+        out.append(keep)
+    return out
+
+
+def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200", act_bytes: int = 2) -> dict:
+    """The breakdown (bytes) for one step of S tokens per sequence split over `cp` GPUs.
+    `act_bytes`: bytes per activation element (2 under bf16 autocast; 4 for an fp32 model)."""
     if gpu not in GPUS:
         raise ConfigError(f"--gpu {gpu!r} is unknown; choose one of {', '.join(GPUS)}.")
     S_local = -(-S // cp)
@@ -109,17 +142,22 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
               "AdamW moments (fp32)": n_params * 8, "bf16 weight copies": n_params * 2}
     kinds, mlps = cfg.layer_kinds(), cfg.mlp_kinds()
     width = {"mhc": cfg.hc_streams, "plain": 1, "attnres": cfg.attnres_blocks + 1}[cfg.residual]
-    state = S_local * width * cfg.hidden_size * 2
+    a = act_bytes
+    state = S_local * width * cfg.hidden_size * a
     recompute = plan.recompute == "on"
     n_off = plan.offload_blocks()
     kept_gpu, kept_host = {}, {}
-    per_block = [_block_activation_bytes(cfg, k, m, S_local, plan) for k, m in zip(kinds, mlps)]
+    per_block = [_block_activation_bytes(cfg, k, m, S_local, plan, a) for k, m in zip(kinds, mlps)]
     sel = S_local * cfg.index_width() * 4
+    keeps_sel = _kept_selections(cfg, plan)
+    kl = _indexer_kl_kept(cfg, S_local, a)
     for i, (k, blk) in enumerate(zip(kinds, per_block)):
         if recompute:
-            b = state + (sel if (k == "D" and plan.reuse_selection and cfg.indexer_kinds()[i] == "f") else 0)
+            b = state + (sel if keeps_sel[i] else 0)
         else:
             b = state + sum(blk.values())
+        if k == "D" and cfg.indexer_kinds()[i] == "f":
+            b += kl
         (kept_host if i < n_off else kept_gpu)[f"layer {i} ({k})"] = b
     # the working set at the peak block: its activations (recomputed), their gradients, workspaces
     work = {}
@@ -140,7 +178,8 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
             "host_capacity": cap["host"], "fits": total_gpu <= cap["memory"] * 0.97 and host <= cap["host"] * 0.8}
 
 
-def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200") -> tuple[MemoryPlan, dict]:
+def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200",
+              act_bytes: int = 2) -> tuple[MemoryPlan, dict]:
     """Resolve recompute/offload "auto": the cheapest that fits — no recompute, else recompute,
     else recompute + offload of as few blocks as needed."""
     choices = []
@@ -153,14 +192,15 @@ def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str 
             choices.append(dataclasses.replace(plan, recompute=r, offload=o))
     last = None
     for c in choices:
-        e = estimate(cfg, S, c, cp, gpu)
+        e = estimate(cfg, S, c, cp, gpu, act_bytes)
         last = (c, e)
         if e["fits"]:
             return c, e
     return last
 
 
-def resolve_auto(plan: MemoryPlan, cfg: ModelConfig, tokens: int, device) -> tuple[MemoryPlan, dict | None]:
+def resolve_auto(plan: MemoryPlan, cfg: ModelConfig, tokens: int, device,
+                 act_bytes: int = 2) -> tuple[MemoryPlan, dict | None]:
     """Resolve "auto" switches for this device; returns (plan, its estimate or None)."""
     if plan.recompute != "auto" and plan.offload != "auto":
         return plan, None
@@ -172,7 +212,7 @@ def resolve_auto(plan: MemoryPlan, cfg: ModelConfig, tokens: int, device) -> tup
         gpu = "this"
     else:
         gpu = "cpu"
-    return auto_plan(cfg, tokens, plan, 1, gpu)
+    return auto_plan(cfg, tokens, plan, 1, gpu, act_bytes)
 
 
 def format_report(e: dict) -> str:
@@ -217,4 +257,6 @@ def main(a) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(None))
+    from ..cli import main as cli_main
+
+    sys.exit(cli_main(["estimate", *sys.argv[1:]]))

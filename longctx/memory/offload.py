@@ -3,8 +3,13 @@ prefetch of the previous layer during backward, pinned blocks released after eve
 
 Used as the `saved_tensors_hooks` around a recomputed block, so what it moves is exactly what full
 recompute keeps: the block's input (the 4-stream mHC residual) and, with selection reuse, the
-indexer's int32 selection. Backward visits blocks in reverse; when block i's input is unpacked we
-start copying block i-1's back on the side stream, so the copy overlaps block i's recompute.
+indexer's int32 selection. Each block packs into its own *group*. Backward visits blocks in
+reverse; when a tensor of block i is unpacked we start copying every tensor of the block packed
+before it back on the side stream, so those copies overlap block i's recompute.
+
+The hooks must be active where autograd *packs* a custom Function's saved tensors, which is after
+`Function.forward` returns (not at `save_for_backward`): the caller wraps `Function.apply`, and
+`paused()` lets whatever a block saves inside its own forward (the indexer's KL graph) through.
 
 On a CPU-only machine there is nothing to offload to; the hooks then keep tensors as they are
 (the logic is still exercised by tests through `force=True` with plain host buffers).
@@ -18,11 +23,11 @@ import torch
 
 
 class _Handle:
-    __slots__ = ("host", "device", "d2h_done", "gpu", "h2d_done", "index")
+    __slots__ = ("d2h_done", "device", "gpu", "group", "h2d_done", "host", "index", "nbytes")
 
-    def __init__(self, host, device, d2h_done, index):
-        self.host, self.device, self.d2h_done, self.index = host, device, d2h_done, index
-        self.gpu, self.h2d_done = None, None
+    def __init__(self, host, device, d2h_done, index, group, nbytes):
+        self.host, self.device, self.d2h_done, self.index, self.group = host, device, d2h_done, index, group
+        self.gpu, self.h2d_done, self.nbytes = None, None, nbytes
 
 
 class Offloader:
@@ -30,19 +35,24 @@ class Offloader:
         self.pin_memory = pin_memory
         self.min_bytes = min_bytes
         self.force = force  # offload even CPU tensors (tests)
-        self.handles: list[_Handle] = []
+        self.handles: list[_Handle | None] = []  # this step's, in packing order; None once unpacked
+        self.groups: dict = {}  # group -> its handles
+        self.group_order: list = []  # groups in packing order
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.bytes_offloaded = 0
         self.peak_host_bytes = 0
         self._live_host = 0
+        self._group = None
+        self._paused = False
 
     # ------------------------------------------------------------------ hooks
     def pack(self, t: torch.Tensor):
         nbytes = t.numel() * t.element_size()
-        if nbytes < self.min_bytes or not (t.is_cuda or self.force):
+        if self._paused or nbytes < self.min_bytes or not (t.is_cuda or self.force):
             return t
+        index = len(self.handles)
         if not t.is_cuda:
-            h = _Handle(t.clone(), t.device, None, len(self.handles))
+            h = _Handle(t.detach().clone(), t.device, None, index, self._group, nbytes)
         else:
             host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
             cur = torch.cuda.current_stream(t.device)
@@ -52,8 +62,12 @@ class Offloader:
                 done = torch.cuda.Event()
                 done.record(self.stream)
             t.record_stream(self.stream)  # keep t's memory until the copy has read it
-            h = _Handle(host, t.device, done, len(self.handles))
+            h = _Handle(host, t.device, done, index, self._group, nbytes)
         self.handles.append(h)
+        if self._group not in self.groups:
+            self.groups[self._group] = []
+            self.group_order.append(self._group)
+        self.groups[self._group].append(h)
         self.bytes_offloaded += nbytes
         self._live_host += nbytes
         self.peak_host_bytes = max(self.peak_host_bytes, self._live_host)
@@ -62,16 +76,22 @@ class Offloader:
     def unpack(self, h):
         if not isinstance(h, _Handle):
             return h
+        if self.handles[h.index] is not h:
+            raise RuntimeError(
+                "an offloaded block input was unpacked twice (a second backward through the same graph, "
+                "e.g. retain_graph=True); offload frees each host copy when backward uses it, so run one "
+                "backward per forward or set memory.offload=off.")
         if h.gpu is None:
             self._fetch(h)
-        if h.index > 0:  # prefetch the previous block's input while this one recomputes
-            prev = self.handles[h.index - 1]
-            if prev is not None and prev.gpu is None:
-                self._fetch(prev)
+        pos = self.group_order.index(h.group)
+        if pos > 0:  # prefetch the previous block's tensors while this one recomputes
+            for prev in self.groups[self.group_order[pos - 1]]:
+                if self.handles[prev.index] is prev and prev.gpu is None:
+                    self._fetch(prev)
         if h.h2d_done is not None:
             torch.cuda.current_stream(h.device).wait_event(h.h2d_done)
         out = h.gpu
-        self._live_host -= out.numel() * out.element_size()
+        self._live_host -= h.nbytes
         self.handles[h.index] = None
         h.host = h.gpu = None
         return out
@@ -90,14 +110,33 @@ class Offloader:
         h.gpu.record_stream(torch.cuda.current_stream(h.device))
 
     @contextmanager
-    def hooks(self):
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+    def hooks(self, group=None):
+        """Offload what autograd saves in this context, as part of `group` (one block)."""
+        prev, self._group = self._group, group
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self._group = prev
+
+    @contextmanager
+    def paused(self):
+        """Inside `hooks`: keep what is saved here on its device."""
+        prev, self._paused = self._paused, True
+        try:
             yield
+        finally:
+            self._paused = prev
+
+    def live_handles(self) -> int:
+        return sum(h is not None for h in self.handles)
 
     def end_step(self):
         """Forget this step's handles and hand cached pinned blocks back to the OS (seed 000:
         PyTorch's host allocator otherwise keeps every freed pinned block)."""
         self.handles.clear()
+        self.groups.clear()
+        self.group_order.clear()
         self._live_host = 0
         if torch.cuda.is_available():
             if self.stream is not None:

@@ -94,11 +94,22 @@ class MemoryPlan:
 
 
 def apply_plan(model, plan: MemoryPlan):
-    """Set every module's switches from `plan`; install the block policy. Returns it (or None)."""
+    """Set every module's switches from `plan`; install the block policy. Returns it (or None).
+    recompute/offload "auto" must be resolved first (`plan_for_stage`, `estimate.auto_plan`)."""
     from ..layers.dsa import SparseMLA
     from ..layers.moe import MoE
     from ..layers.residual import MHC
     from .recompute import RecomputePolicy
+
+    if "auto" in (plan.recompute, plan.offload):
+        raise ValueError(f"apply_plan needs a resolved plan (recompute={plan.recompute!r}, offload={plan.offload!r}); "
+                         "resolve 'auto' with longctx.memory.estimate.auto_plan or plan_for_stage first.")
+    blocks = plan.recompute == "on" or plan.offload_blocks() > 0
+    if blocks and getattr(model.cfg, "balancer", None) == "aux" and "m" in model.cfg.mlp_kinds():
+        raise ConfigError(
+            f"memory.recompute={plan.recompute} / memory.offload={plan.offload} would drop the MoE auxiliary loss "
+            "(model.balancer = aux: block recompute runs the forward without a graph); use model.balancer = quantile "
+            "or sign, or set memory.recompute = off and memory.offload = off.")
 
     for m in model.modules():
         if isinstance(m, SparseMLA):
@@ -113,8 +124,7 @@ def apply_plan(model, plan: MemoryPlan):
         elif isinstance(m, MHC):
             m.recompute_cast = plan.mhc_cast_recompute
     model.loss_chunk = plan.loss_chunk or None
-    recompute = plan.recompute == "on"
-    if recompute or plan.offload_blocks():
+    if blocks:
         model.block_fn = RecomputePolicy(recompute=True, offload_layers=plan.offload_blocks(),
                                          reuse_selection=plan.reuse_selection, pin_memory=plan.pin_memory)
     else:
@@ -128,9 +138,11 @@ def plan_for_stage(cfg, stage, device, stage_index: int = 0) -> MemoryPlan:
     plan = MemoryPlan.from_dict(cfg.memory)
     if stage.memory:
         plan = MemoryPlan.from_dict(stage.memory, base=plan)
+    from ..trainer import resolve_dtype
     from .estimate import resolve_auto
 
-    resolved, est = resolve_auto(plan, cfg.model, stage.seq_len * stage.batch_size, device)
+    act_bytes = resolve_dtype(cfg.dtype, torch.device(device)).itemsize  # activations in the autocast dtype
+    resolved, est = resolve_auto(plan, cfg.model, stage.seq_len * stage.batch_size, device, act_bytes)
     if est is not None and not est["fits"]:
         raise ConfigError(
             f"stages.{stage_index}.seq_len ({stage.seq_len:,} x batch {stage.batch_size}) does not fit on this device even with "

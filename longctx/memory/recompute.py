@@ -2,11 +2,14 @@
 
 A block under recompute keeps only its input (and, with `reuse_selection`, the int32 indices its
 indexer chose): forward runs without a graph; backward reloads the input, re-runs the block with a
-graph, and backpropagates through it. Written as our own autograd.Function rather than
+graph, and backpropagates through it, under the autocast state the forward ran with (backward
+runs outside the caller's autocast; a recompute without it would redo a bf16 block in fp32).
+Written as our own autograd.Function rather than
 torch.utils.checkpoint because (a) what is kept must pass through `save_for_backward`, where the
 offload hooks can move it to pinned host memory, and (b) the recompute must be able to reuse the
 forward's selection instead of re-running the indexer, the most expensive op at 1M tokens. mHC
-needs no special case: its 4-stream residual is simply the block's input.
+needs no special case: its 4-stream residual is simply the block's input. A block keeps an incoming
+selection only when it reads it (a shared 's' DSA layer); others let it pass by.
 """
 
 from __future__ import annotations
@@ -31,18 +34,38 @@ def _unflatten(flat, spec):
     return (tuple(flat[:nb]), flat[nb] if has_partial else None)
 
 
+def _autocast_state(device_type: str) -> list:
+    """The autocast settings in force now, for this device type and the CPU."""
+    types = [device_type] + (["cpu"] if device_type != "cpu" else [])
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in types]
+
+
+class _autocast_as:
+    def __init__(self, state):
+        self.ctxs = [torch.autocast(d, dtype=dt, enabled=on) for d, on, dt in state]
+
+    def __enter__(self):
+        for c in self.ctxs:
+            c.__enter__()
+
+    def __exit__(self, *a):
+        for c in reversed(self.ctxs):
+            c.__exit__(*a)
+        return False
+
+
 class _RecomputeBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, holder, spec, selection, *flat):
         ctx.holder, ctx.spec = holder, spec
-        with torch.no_grad():
+        ctx.autocast = _autocast_state(flat[0].device.type)
+        with torch.no_grad(), holder.paused():
             out_state, out_sel = holder.run(_unflatten(list(flat), spec), selection, None)
         keep_sel = out_sel if (holder.reuse_selection and out_sel is not None and out_sel is not selection) else None
         ctx.has_sel_in = selection is not None
         ctx.has_sel_keep = keep_sel is not None
         to_save = list(flat) + ([selection] if selection is not None else []) + ([keep_sel] if keep_sel is not None else [])
-        with holder.offload_ctx():
-            ctx.save_for_backward(*to_save)
+        ctx.save_for_backward(*to_save)  # packed (and offloaded) by the caller's hooks once forward returns
         out_flat, ctx.out_spec = _flatten(out_state)
         holder.out_spec = ctx.out_spec
         if out_sel is None:
@@ -57,7 +80,7 @@ class _RecomputeBlock(torch.autograd.Function):
         flat = [t.detach().requires_grad_(t.is_floating_point()) for t in saved[:n]]
         selection = saved[n] if ctx.has_sel_in else None
         kept = saved[n + ctx.has_sel_in] if ctx.has_sel_keep else None
-        with torch.enable_grad():
+        with torch.enable_grad(), _autocast_as(ctx.autocast):
             out_state, _ = ctx.holder.run(_unflatten(flat, ctx.spec), selection, kept)
         outs, _ = _flatten(out_state)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
@@ -77,9 +100,10 @@ class _Holder:
         return self.block(state, selection, cu_seqlens=self.cu_seqlens, forced_selection=forced_selection)
 
     def offload_ctx(self):
-        if self.offloader is None:
-            return _null()
-        return self.offloader.hooks()
+        return _null() if self.offloader is None else self.offloader.hooks(self.block.idx)
+
+    def paused(self):
+        return _null() if self.offloader is None else self.offloader.paused()
 
 
 class _null:
@@ -107,9 +131,15 @@ class RecomputePolicy:
         flat, spec = _flatten(state)
         off = self.offloader if block.idx < self.offload_layers else None
         holder = _Holder(block, cu_seqlens, self.reuse_selection, off)
-        out = _RecomputeBlock.apply(holder, spec, selection, *flat)
+        reads_sel = block.kind == "D" and block.mixer.indexer is None  # a shared ('s') DSA layer
+        with holder.offload_ctx():
+            out = _RecomputeBlock.apply(holder, spec, selection if reads_sel else None, *flat)
         sel, out_flat = out[0], list(out[1:])
-        return _unflatten(out_flat, holder.out_spec), (sel if sel.numel() else None)
+        if block.kind != "D":
+            sel = selection  # KDA blocks pass the last full layer's selection on, untouched
+        elif not sel.numel():
+            sel = None
+        return _unflatten(out_flat, holder.out_spec), sel
 
     def end_step(self):
         if self.offloader is not None:

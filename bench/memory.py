@@ -1,0 +1,573 @@
+"""Benchmark: what each memory switch buys, measured on full training steps of h200-ref on one GPU.
+
+    python bench/memory.py --out bench/results [--quick] [--seqlens 8192,32768] [--configs all_on,recompute_off]
+                           [--parts runs,baseline,offload,host] [--resume]
+    python bench/memory.py --cpu-smoke --out DIR      # every code path at tiny sizes on the CPU (a CI test)
+
+Model h200-ref (fp32 master weights, bf16 autocast, backend "auto"), batch 1, random tokens. One
+step = forward + backward + AdamW step + router-balance update + the policy's end_step. For every
+length in 8k, 32k, 128k, 256k, 512k, 1M: "all_on" (the plan `auto_plan` resolves for this GPU, i.e.
+what the trainer runs) and each switch turned off in turn. An OOM is recorded as "oom" and the
+longer lengths of that config are skipped ("skipped_after_oom": memory only grows with S); a
+switch that changes nothing at some length (offload when the plan offloads nothing, ...) is
+"same_as_all_on". Per run: peak allocated and reserved, step time, tokens/s, MFU, host RSS, and
+the estimate (`longctx estimate`) of the same plan. Then: the baseline's longest context (doubling
+from 4k), pinned vs pageable offload at 256k (whole steps, and the raw copy bandwidth), and host
+memory over 20 steps with offload (pinned blocks must be given back every step).
+
+Model flops per step (MFU = flops / step time / 778 TFLOP/s, the H200's measured bf16 matmul rate):
+  matmuls  6 x S x (parameters that multiply every token: the blocks with k of E routed experts and
+           the shared one, mHC projections, router, LM head); the indexer's projections 2x (no backward)
+  indexer  2 x H_I x D_I x S x S/P per full DSA layer (every pool is scored, then masked), forward only
+  sparse   2 x K x H x (L + L) x S per DSA layer forward (K = index width, L = kv_lora), x3.5 fwd+bwd
+  KDA      ~(10 C d + 6 d^2) x S per head forward (chunk C, head dim d: intra-chunk products, the
+           state read, update and output), x3 fwd+bwd
+The recompute's second forward is not counted: MFU counts the model's work, not the plan's.
+
+--cpu-smoke runs the same code at preset tiny, S = 256 and 1024, with `LiveBytes` (a dispatch
+mode counting live tensors) standing in for the CUDA allocator's peak and a small fake capacity,
+so that OOMs happen and are handled. OUT/memory.json is rewritten after every measurement (a run
+cut short keeps what it has; --resume continues it); OUT/memory.png is drawn at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from longctx.config import preset
+from longctx.layers.moe import MoE
+from longctx.memory import estimate as est
+from longctx.memory.meter import LiveBytes
+from longctx.memory.plan import MemoryPlan, apply_plan
+from longctx.model import LongCtxModel
+
+GIB = 2**30
+PEAK_FLOPS = 778e12
+K = 1024
+FULL_LENS = [8 * K, 32 * K, 128 * K, 256 * K, 512 * K, 1024 * K]
+QUICK_LENS = [8 * K, 32 * K, 128 * K]
+SMOKE_LENS = [256, 1024]
+SMOKE_CAPACITY = 24 * 2**20  # bytes: the fake GPU of the CPU smoke run
+
+# name -> how it changes the resolved all-on plan ("each switch off in turn")
+CONFIGS = {
+    "all_on": lambda p: p,
+    "sparse_kernel_off": lambda p: dataclasses.replace(p, sparse_kernel=False),
+    "chunked_indexer_off": lambda p: dataclasses.replace(p, chunked_indexer=False),
+    "recompute_off": lambda p: dataclasses.replace(p, recompute="off", offload="off"),
+    "offload_off": lambda p: dataclasses.replace(p, offload="off"),
+    "pin_memory_off": lambda p: dataclasses.replace(p, pin_memory=False),
+    "reuse_selection_off": lambda p: dataclasses.replace(p, reuse_selection=False),
+    "router_release_off": lambda p: dataclasses.replace(p, router_release=False),
+    "mhc_cast_recompute_off": lambda p: dataclasses.replace(p, mhc_cast_recompute=False),
+    "moe_bf16_combine_off": lambda p: dataclasses.replace(p, moe_bf16_combine=False),
+    "moe_chunk_off": lambda p: dataclasses.replace(p, moe_chunk=0),
+    "loss_chunk_off": lambda p: dataclasses.replace(p, loss_chunk=0),
+}
+QUICK_CONFIGS = ["all_on", "sparse_kernel_off", "chunked_indexer_off", "recompute_off", "loss_chunk_off"]
+
+
+def effective(plan: MemoryPlan) -> dict:
+    """The plan with settings that cannot matter normalised away (to spot a no-op switch)."""
+    d = plan.to_dict()
+    blocks = plan.offload_blocks()
+    d["offload"] = str(blocks)
+    if not blocks:
+        d["pin_memory"] = None
+    if plan.recompute != "on" and not blocks:
+        d["reuse_selection"] = None
+    if not plan.chunked_indexer:
+        d["indexer_chunk"] = None
+    return d
+
+
+# ----------------------------------------------------------------------------- the device
+class Device:
+    """CUDA: the caching allocator's peaks. CPU smoke: `LiveBytes` plus what existed before the step."""
+
+    def __init__(self, smoke: bool):
+        self.smoke = smoke
+        self.dev = torch.device("cpu" if smoke else "cuda")
+        if smoke:
+            self.name, self.capacity = "cpu (smoke: fake capacity)", SMOKE_CAPACITY
+            self.gpu_key = "smoke"
+            est.GPUS["smoke"] = {"memory": SMOKE_CAPACITY, "host": 24 * GIB}
+        else:
+            props = torch.cuda.get_device_properties(self.dev)
+            self.name, self.capacity = props.name, props.total_memory
+            self.gpu_key = "h200" if "H200" in props.name else "this"
+            if self.gpu_key == "this":
+                est.GPUS["this"] = {"memory": props.total_memory, "host": est.GPUS["h200"]["host"]}
+        self.static = 0  # bytes alive before each step (smoke): parameters, optimizer state
+        self._live = None
+
+    @contextlib.contextmanager
+    def step(self):
+        if self.smoke:
+            self._live = LiveBytes(limit=self.capacity - self.static)
+            with self._live:
+                yield
+        else:
+            torch.cuda.reset_peak_memory_stats(self.dev)
+            yield
+            torch.cuda.synchronize(self.dev)
+
+    def peaks(self) -> tuple[float, float]:
+        """(peak allocated, peak reserved) of the last step, GiB."""
+        if self.smoke:
+            b = (self.static + self._live.peak) / GIB
+            return b, b
+        return torch.cuda.max_memory_allocated(self.dev) / GIB, torch.cuda.max_memory_reserved(self.dev) / GIB
+
+    def free(self, collect: bool = False):
+        """Give cached blocks back; `collect`: first break the reference cycles an OOM can leave."""
+        if collect or not self.smoke:  # (a full gc costs ~0.4 s in a process that imported dynamo)
+            gc.collect()
+        if not self.smoke:
+            torch.cuda.empty_cache()
+
+
+def host_rss_gib() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024 / GIB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+def pinned_host_gib() -> dict | None:
+    """The pinned host allocator's blocks: owned (active + cached) and active, GiB."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return None
+    try:
+        s = stats()
+    except RuntimeError:
+        return None
+    get = lambda k: s[k] / GIB if k in s else None
+    return {"owned": get("allocated_bytes.current"), "active": get("active_bytes.current")}
+
+
+# ----------------------------------------------------------------------------- flops
+def model_flops(model: LongCtxModel, S: int) -> dict:
+    """Model flops of one training step at S tokens (see the module docstring)."""
+    cfg = model.cfg
+    E, k = cfg.n_routed_experts, cfg.experts_per_token
+    per_token, indexer_proj = 0.0, 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or (name.startswith("embed.") and not cfg.tie_word_embeddings):
+            continue
+        if ".indexer." in name:
+            indexer_proj += p.numel()
+        elif name.endswith(("experts.gate_up", "experts.down")):
+            per_token += p.numel() * k / E
+        else:
+            per_token += p.numel()
+    kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
+    n_dsa = kinds.count("D")
+    n_full = sum(1 for a, b in zip(kinds, idx) if a == "D" and b == "f")
+    C, d = cfg.kda_chunk_size, cfg.kda_head_dim
+    out = {
+        "matmuls": 6.0 * per_token * S + 2.0 * indexer_proj * S,
+        "indexer": n_full * 2.0 * cfg.index_heads * cfg.index_head_dim * S * (S // cfg.index_pool),
+        "sparse_attention": n_dsa * 3.5 * 2.0 * cfg.index_width() * cfg.attn_heads * 2 * cfg.kv_lora_rank * S,
+        "kda": kinds.count("K") * 3.0 * (10 * C * d + 6 * d * d) * cfg.kda_heads * S,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+# ----------------------------------------------------------------------------- one step
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.dev = Device(args.cpu_smoke)
+        # smoke: tiny with fewer, larger steps inside (3 Sinkhorn rounds, KDA chunks of 64): LiveBytes
+        # pays per op
+        self.cfg = (preset("tiny").replace(hc_sinkhorn_iters=3, kda_chunk_size=64) if args.cpu_smoke
+                    else preset("h200-ref"))
+        self.dtype = torch.bfloat16  # autocast dtype (on the CPU too: the smoke runs the GPU's code path)
+        self.act_bytes = 4 if self.dtype == torch.float32 else 2
+        torch.manual_seed(0)
+        with torch.device(self.dev.dev):
+            self.model = LongCtxModel(self.cfg)
+        self.model.set_backend("auto")
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.0,
+                                     fused=self.dev.dev.type == "cuda")
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.path = self.out / "memory.json"
+        self.res = self._load() if args.resume else {}
+        self.res.update(self._header())
+        self.res.setdefault("invocations", []).append({"command": self.res["command"], "date": self.res["date"]})
+        self.res.setdefault("runs", [])
+
+    # -------------------------------------------------------------- bookkeeping
+    def _load(self) -> dict:
+        if self.path.exists():
+            return json.loads(self.path.read_text())
+        return {}
+
+    def _header(self) -> dict:
+        versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+        for mod in ("triton", "fla"):
+            try:
+                versions[mod] = __import__(mod).__version__
+            except Exception:  # noqa: BLE001 - absent or broken: recorded as such
+                versions[mod] = None
+        n = self.model.num_parameters()
+        return {"gpu": self.dev.name, "device": self.dev.dev.type, "capacity_gib": self.dev.capacity / GIB,
+                "versions": versions, "command": " ".join([sys.executable, "bench/memory.py", *self.args.argv]),
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "preset": "tiny" if self.args.cpu_smoke else "h200-ref", "params": n,
+                "autocast": str(self.dtype).replace("torch.", ""), "peak_tflops": PEAK_FLOPS / 1e12,
+                "model": self.cfg.to_dict()}
+
+    def save(self):
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.res, indent=1))
+        tmp.replace(self.path)
+
+    def log(self, msg: str):
+        if not self.args.quiet:
+            print(msg, flush=True)
+
+    # -------------------------------------------------------------- measuring
+    def batch(self, S: int):
+        g = torch.Generator(device="cpu").manual_seed(S)
+        ids = torch.randint(0, self.cfg.vocab_size, (1, S + 1), generator=g)
+        return ids[:, :-1].to(self.dev.dev), ids[:, 1:].to(self.dev.dev)
+
+    def _one_step(self, policy, ids, labels) -> float:
+        with torch.autocast(self.dev.dev.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            out = self.model(ids, labels=labels, return_logits=False)
+        out.loss.backward()
+        loss = out.loss.detach()
+        del out
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.model.apply_balance_updates()
+        self.model.clear_aux()
+        if policy is not None:
+            policy.end_step()
+        return loss
+
+    def _cleanup(self, policy):
+        self.opt.zero_grad(set_to_none=True)
+        self.model.clear_aux()
+        for m in self.model.modules():
+            if isinstance(m, MoE):
+                m._reset_pending()
+                m.router_state = None
+        if policy is not None:
+            policy.end_step()
+        self.model.block_fn = None
+        self.dev.free(collect=True)
+
+    def measure(self, plan: MemoryPlan, S: int, reps: int, after_step=None) -> dict:
+        """`reps` full steps under `plan` (one policy, as in training; `after_step()` runs after each);
+        {'status': 'ok', ...} or {'status': 'oom', 'error': ...}."""
+        policy = apply_plan(self.model, plan)
+        if self.dev.smoke and policy is not None and policy.offloader is not None:
+            policy.offloader.force, policy.offloader.min_bytes = True, 0  # move (copy) even CPU tensors
+        ids, labels = self.batch(S)
+        self.dev.free()
+        self.dev.static = self._static_bytes()
+        times, pa, pr, err, loss = [], 0.0, 0.0, None, None
+        try:
+            for _ in range(reps):
+                with self.dev.step():
+                    t0 = time.perf_counter()
+                    loss = self._one_step(policy, ids, labels)
+                times.append(time.perf_counter() - t0)
+                a, r = self.dev.peaks()
+                pa, pr = max(pa, a), max(pr, r)
+                if after_step is not None:
+                    after_step()
+        except torch.OutOfMemoryError as e:
+            err = str(e).strip().splitlines()[0][:300]
+        except RuntimeError as e:  # pinned host memory and some kernels report OOM as a plain RuntimeError
+            if "out of memory" not in str(e).lower():
+                raise
+            err = str(e).strip().splitlines()[0][:300]
+        if err is not None:  # outside the except: its traceback no longer pins the step's tensors
+            self._cleanup(policy)
+            return {"status": "oom", "error": err, "host_rss_gib": host_rss_gib()}
+        step_s = times[-1]
+        flops = model_flops(self.model, S)
+        r = {"status": "ok", "peak_allocated_gib": pa, "peak_reserved_gib": pr, "step_s": step_s,
+             "step_s_all": times, "tokens_per_s": S / step_s, "mfu": flops["total"] / step_s / PEAK_FLOPS,
+             "model_tflop": {k: v / 1e12 for k, v in flops.items()}, "host_rss_gib": host_rss_gib(),
+             "loss": float(loss), "impl": self.model.impl_report()}
+        if policy is not None and policy.offloader is not None:
+            r["offloaded_gib"] = policy.offloader.bytes_offloaded / GIB / max(1, reps)
+        self.model.block_fn = None
+        return r
+
+    def _static_bytes(self) -> int:
+        if not self.dev.smoke:
+            return 0
+        seen, total = set(), 0
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        tensors += [t for st in self.opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
+
+    def estimate(self, plan: MemoryPlan, S: int) -> dict:
+        e = est.estimate(self.cfg, S, plan, gpu=self.dev.gpu_key, act_bytes=self.act_bytes)
+        return {"estimate_gib": e["gpu_bytes"] / GIB, "estimate_host_gib": e["host_bytes"] / GIB,
+                "estimate_fits": e["fits"]}
+
+    def all_on(self, S: int) -> MemoryPlan:
+        return est.auto_plan(self.cfg, S, MemoryPlan(), 1, self.dev.gpu_key, self.act_bytes)[0]
+
+    def reps(self, S: int) -> int:
+        return 1 if (self.args.quick or S >= 512 * K) else self.args.reps
+
+    # -------------------------------------------------------------- the parts
+    def warmup(self, S: int):
+        """One untimed step: creates the optimizer state, compiles and tunes the kernels."""
+        r = self.measure(self.all_on(S), S, 1)
+        self.log(f"warm-up at {S}: {r['status']}")
+
+    def runs(self, lens, configs):
+        done = {(r["config"], r["seq_len"]) for r in self.res["runs"]}
+        oom_at = {}
+        for r in self.res["runs"]:
+            if r["status"] == "oom":
+                oom_at[r["config"]] = min(oom_at.get(r["config"], 1 << 62), r["seq_len"])
+        for S in lens:
+            base = self.all_on(S)
+            for name in configs:
+                if (name, S) in done:
+                    continue
+                plan = CONFIGS[name](base)
+                rec = {"config": name, "seq_len": S, "plan": plan.to_dict(), **self.estimate(plan, S)}
+                if name != "all_on" and effective(plan) == effective(base):
+                    rec["status"] = "same_as_all_on"
+                elif name in oom_at and S > oom_at[name]:
+                    rec["status"] = "skipped_after_oom"
+                else:
+                    rec.update(self.measure(plan, S, self.reps(S)))
+                    if rec["status"] == "oom":
+                        oom_at[name] = min(oom_at.get(name, S), S)
+                self.res["runs"].append(rec)
+                self.save()
+                self.log(_line(rec))
+
+    def baseline_max(self, start: int, cap: int):
+        if self.args.resume and "baseline_max_context" in self.res:
+            return
+        plan = MemoryPlan.baseline()
+        attempts, best, S = [], None, start
+        while S <= cap:
+            r = {"seq_len": S, **self.estimate(plan, S), **self.measure(plan, S, 1)}
+            attempts.append(r)
+            self.log("baseline " + _line({"config": "baseline", **r}))
+            if r["status"] != "ok":
+                break
+            best, S = S, 2 * S
+        pred, S = None, start
+        while S <= 64 * cap and self.estimate(plan, S)["estimate_fits"]:
+            pred, S = S, 2 * S
+        self.res["baseline_max_context"] = {"max_ok": best, "estimate_max": pred, "attempts": attempts}
+        self.save()
+
+    def offload_pinned_vs_pageable(self, S: int):
+        if self.args.resume and "offload_pinned_vs_pageable" in self.res:
+            return
+        base = dataclasses.replace(self.all_on(S), recompute="on", offload=str(self.cfg.num_layers))
+        out = {"seq_len": S, "offload_blocks": self.cfg.num_layers}
+        for name, pin in (("pinned", True), ("pageable", False)):
+            plan = dataclasses.replace(base, pin_memory=pin)
+            out[name] = {**self.estimate(plan, S), **self.measure(plan, S, self.reps(S))}
+            self.log(f"offload {name}: " + _line({"config": name, "seq_len": S, **out[name]}))
+        no_off = dataclasses.replace(base, offload="off")
+        out["no_offload"] = {**self.estimate(no_off, S), **self.measure(no_off, S, self.reps(S))}
+        if out["pinned"]["status"] == out["pageable"]["status"] == "ok":
+            out["pageable_over_pinned_step"] = out["pageable"]["step_s"] / out["pinned"]["step_s"]
+        out["copy_bandwidth"] = self._copy_bandwidth(S)
+        self.res["offload_pinned_vs_pageable"] = out
+        self.save()
+
+    def _copy_bandwidth(self, S: int) -> dict | None:
+        """GB/s of one block input (the mHC state, bf16) GPU->host and back, pinned vs pageable."""
+        if self.dev.smoke:
+            return None
+        n = S * self.cfg.hc_streams * self.cfg.hidden_size
+        x = torch.randn(n, device=self.dev.dev).to(torch.bfloat16)
+        out = {"bytes": x.numel() * 2}
+        for name, pin in (("pinned", True), ("pageable", False)):
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=pin)
+            d2h, h2d = [], []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                host.copy_(x, non_blocking=pin)
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                x.copy_(host, non_blocking=pin)
+                torch.cuda.synchronize()
+                d2h.append(t1 - t0)
+                h2d.append(time.perf_counter() - t1)
+            out[name] = {"d2h_gb_s": out["bytes"] / statistics.median(d2h) / 1e9,
+                         "h2d_gb_s": out["bytes"] / statistics.median(h2d) / 1e9}
+            del host
+        del x
+        self.dev.free()
+        return out
+
+    def host_memory(self, S: int, steps: int):
+        if self.args.resume and "host_memory_with_offload" in self.res:
+            return
+        plan = dataclasses.replace(self.all_on(S), recompute="on", offload=str(self.cfg.num_layers))
+        rss, pinned = [], []
+        r = self.measure(plan, S, steps, after_step=lambda: (rss.append(host_rss_gib()), pinned.append(pinned_host_gib())))
+        self.res["host_memory_with_offload"] = {
+            "seq_len": S, "steps": len(rss), "status": r["status"], "rss_gib": rss, "pinned_gib": pinned,
+            "step_s": r.get("step_s_all"), "plan": plan.to_dict(), "offloaded_gib_per_step": r.get("offloaded_gib"),
+            "rss_growth_gib": (rss[-1] - rss[0]) if rss else None}
+        self.save()
+        self.log(f"host memory over {len(rss)} steps at {S}: RSS {rss[0] if rss else 0:.2f} -> "
+                 f"{rss[-1] if rss else 0:.2f} GiB")
+
+
+def _line(r: dict) -> str:
+    s = f"{r['config']:<24}{r['seq_len']:>9,}  {r['status']:<18}"
+    if r["status"] == "ok":
+        s += (f"peak {r['peak_allocated_gib']:8.2f} GiB (est {r['estimate_gib']:8.2f})  {r['step_s']:8.2f} s  "
+              f"{r['tokens_per_s']:10,.0f} tok/s  MFU {100 * r['mfu']:5.1f}%")
+    elif "estimate_gib" in r:
+        s += f"est {r['estimate_gib']:.2f} GiB"
+    return s
+
+
+# ----------------------------------------------------------------------------- the figure
+def figure(res: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    cap = res["capacity_gib"]
+    runs = res["runs"]
+    names = [n for n in CONFIGS if any(r["config"] == n for r in runs)]
+    for i, name in enumerate(names):
+        rs = sorted((r for r in runs if r["config"] == name), key=lambda r: r["seq_len"])
+        ok = [(r["seq_len"], r["peak_allocated_gib"]) for r in rs if r["status"] == "ok"]
+        ok += [(r["seq_len"], next((q["peak_allocated_gib"] for q in runs if q["config"] == "all_on"
+                                    and q["seq_len"] == r["seq_len"] and q["status"] == "ok"), None))
+               for r in rs if r["status"] == "same_as_all_on"]
+        ok = sorted((s, g) for s, g in ok if g is not None)
+        oom = [r["seq_len"] for r in rs if r["status"] == "oom"]
+        style = {"lw": 2.5, "color": "k"} if name == "all_on" else {"lw": 1, "ls": "-", "marker": "."}
+        if ok:
+            (line,) = ax.plot([s for s, _ in ok], [g for _, g in ok], label=name, **style)
+            color = line.get_color()
+        else:
+            color = f"C{i % 10}"
+        if oom:
+            ax.scatter(oom, [cap * 1.04] * len(oom), marker="x", color=color, label=None if ok else f"{name} (oom)")
+    allon = sorted((r["seq_len"], r["estimate_gib"]) for r in runs if r["config"] == "all_on")
+    if allon:
+        ax.plot([s for s, _ in allon], [g for _, g in allon], ls=":", color="k", lw=1, label="all_on, estimate")
+    bl = res.get("baseline_max_context")
+    if bl and bl["attempts"]:
+        pts = [(a["seq_len"], a["peak_allocated_gib"]) for a in bl["attempts"] if a["status"] == "ok"]
+        if pts:
+            ax.plot([s for s, _ in pts], [g for _, g in pts], ls="--", color="gray", marker="s", ms=3,
+                    label=f"baseline (max {bl['max_ok']:,})" if bl["max_ok"] else "baseline")
+    ax.axhline(cap, color="r", lw=1.5, ls="--", label=f"GPU capacity {cap:.3g} GiB")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens, batch 1)")
+    ax.set_ylabel("peak allocated (GiB)")
+    ax.set_title(f"{res['preset']} one training step on {res['gpu']} (x = out of memory)", fontsize=9)
+    ax.legend(fontsize=6, ncol=2, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--quick", action="store_true", help="8k..128k, five configs, one step each, short host test")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU: checks the code paths")
+    ap.add_argument("--seqlens", help="comma-separated lengths (default: 8k..1M; quick 8k..128k)")
+    ap.add_argument("--configs", help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    ap.add_argument("--parts", default="runs,baseline,offload,host")
+    ap.add_argument("--reps", type=int, default=2, help="steps per measurement below 512k (the last is timed)")
+    ap.add_argument("--host-steps", type=int, help="steps of the host-memory test (default 20; quick 5; smoke 3)")
+    ap.add_argument("--resume", action="store_true", help="keep OUT/memory.json's results and add the missing ones")
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    if not a.cpu_smoke and not torch.cuda.is_available():
+        print("error: bench/memory.py needs a CUDA GPU (or --cpu-smoke).", file=sys.stderr)
+        return 2
+    if a.cpu_smoke:
+        a.quick = False
+        a.reps = 1
+    lens = [int(x) for x in a.seqlens.split(",")] if a.seqlens else (
+        SMOKE_LENS if a.cpu_smoke else QUICK_LENS if a.quick else FULL_LENS)
+    configs = a.configs.split(",") if a.configs else (QUICK_CONFIGS if a.quick else list(CONFIGS))
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        print(f"error: --configs {','.join(bad)} unknown; choose from {', '.join(CONFIGS)}.", file=sys.stderr)
+        return 2
+    if "all_on" not in configs:
+        configs = ["all_on", *configs]
+    parts = set(a.parts.split(","))
+
+    threads = torch.get_num_threads()
+    if a.cpu_smoke:
+        torch.set_num_threads(1)
+    try:
+        b = Bench(a)
+        b.log(f"{b.res['gpu']}: {b.res['preset']}, {b.res['params']['total'] / 1e6:,.1f}M parameters, "
+              f"capacity {b.dev.capacity / GIB:.3g} GiB")
+        b.warmup(lens[0])
+        if "runs" in parts:
+            b.runs(lens, configs)
+        if "baseline" in parts:
+            b.baseline_max(256 if a.cpu_smoke else 4 * K, 4 * K if a.cpu_smoke else 2048 * K)
+        if "offload" in parts:
+            b.offload_pinned_vs_pageable(512 if a.cpu_smoke else 32 * K if a.quick else 256 * K)
+        if "host" in parts:
+            b.host_memory(256 if a.cpu_smoke else 32 * K if a.quick else 256 * K,
+                          a.host_steps or (3 if a.cpu_smoke else 5 if a.quick else 20))
+        figure(b.res, b.out / "memory.png")
+        b.log(f"wrote {b.path} and {b.out / 'memory.png'}")
+    finally:
+        torch.set_num_threads(threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,510 @@
+"""The memory system (longctx.memory) on the CPU: recompute and offload change nothing but memory,
+each block keeps only its input, every switch does what it says, the estimator agrees with the
+meter and the CLI, and the GPU benchmark script still runs (at tiny sizes).
+
+What a block keeps is measured with `SavedTensorMeter` (saved_tensors_hooks), transient peaks with
+`LiveBytes` (a dispatch mode counting live storages); the expectations are computed independently,
+from the tensors each block received."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from longctx.config import preset
+from longctx.errors import ConfigError
+from longctx.layers.dsa import SparseMLA
+from longctx.layers.kpool_indexer import KPoolIndexer
+from longctx.layers.moe import MoE
+from longctx.layers.residual import MHC
+from longctx.memory.estimate import auto_plan, estimate
+from longctx.memory.meter import LiveBytes, meter_model_step
+from longctx.memory.offload import Offloader
+from longctx.memory.plan import MemoryPlan, apply_plan
+from longctx.memory.recompute import RecomputePolicy, _flatten
+from longctx.model import LongCtxModel
+
+ROOT = Path(__file__).resolve().parents[1]
+S, B = 64, 2
+PLAIN = MemoryPlan.from_dict({"recompute": "off", "offload": "off"})
+RECOMPUTE = MemoryPlan.from_dict({"recompute": "on", "offload": "off"})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster, and immune to a busy machine's thread contention."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cfg(residual="mhc", **kw):
+    # layers K, D(full indexer), D(shared selection), D(full): every kind of block and selection hand-off
+    base = {"residual": residual, "num_layers": 4, "layer_pattern": "KDDD", "indexer_pattern": "ffsf", "index_topk": 16}
+    return preset("tiny").replace(**{**base, **kw})
+
+
+def _model(cfg, seed=0):
+    torch.manual_seed(seed)
+    return LongCtxModel(cfg)
+
+
+def _batch(cfg, seed=1, s=S, b=B):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, cfg.vocab_size, (b, s), generator=g),
+            torch.randint(0, cfg.vocab_size, (b, s), generator=g))
+
+
+def _step(model, ids, labels, plan=None, policy=None, autocast=False):
+    """One forward + backward; returns (loss, {name: grad})."""
+    if plan is not None:
+        apply_plan(model, plan)
+    if policy is not None:
+        model.block_fn = policy
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(ids, labels=labels, return_logits=False)
+    out.loss.backward()
+    model.clear_aux()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.block_fn = None
+    return out.loss.detach(), grads
+
+
+def _assert_same(ref, got, rtol=1e-5, atol=1e-7):
+    (l0, g0), (l1, g1) = ref, got
+    torch.testing.assert_close(l1, l0, rtol=rtol, atol=atol)
+    assert set(g0) == set(g1), set(g0) ^ set(g1)
+    assert len(g0) > 40  # every block's parameters took part
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=rtol, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def _nbytes(t):
+    return t.untyped_storage().nbytes()
+
+
+# ------------------------------------------------------------------ recompute: exact, keeps only inputs
+@pytest.mark.parametrize("residual", ["mhc", "plain", "attnres"])
+@pytest.mark.parametrize("reuse", [True, False])
+def test_recompute_same_loss_and_grads_and_keeps_only_block_inputs(residual, reuse):
+    cfg = _cfg(residual)
+    model = _model(cfg)
+    ids, labels = _batch(cfg)
+    ref = _step(model, ids, labels, PLAIN)
+    plan = MemoryPlan.from_dict({"recompute": "on", "offload": "off", "reuse_selection": reuse})
+    _assert_same(ref, _step(model, ids, labels, plan))
+
+    # What each block keeps, from the meter, against what it was given: its state, the incoming
+    # selection on a shared layer, its own selection on a full layer with reuse (storages counted once).
+    policy = apply_plan(model, plan)
+    seen = {}
+
+    def spy(block, state, selection, cu_seqlens):
+        state_out, sel_out = policy(block, state, selection, cu_seqlens)
+        kept = list(_flatten(state)[0])
+        if block.kind == "D" and block.mixer.indexer is None:
+            kept.append(selection)
+        if block.kind == "D" and block.mixer.indexer is not None and reuse:
+            kept.append(sel_out)
+        seen[block.idx] = kept
+        return state_out, sel_out
+
+    model.block_fn = spy
+    meter = meter_model_step(model, ids, labels)
+    counted = set()
+    sel_bytes = B * S * cfg.index_width() * 4
+    for i in range(cfg.num_layers):
+        want = 0
+        for t in seen[i]:
+            if t.untyped_storage().data_ptr() not in counted:
+                counted.add(t.untyped_storage().data_ptr())
+                want += _nbytes(t)
+        assert meter.bytes[f"layer{i}"] == want, (i, dict(meter.bytes), want)
+    if residual == "mhc":  # spelled out once: 4 streams x hidden fp32, + an int32 selection where kept
+        state = B * S * cfg.hc_streams * cfg.hidden_size * 4
+        extra = [0, sel_bytes, 0, sel_bytes] if reuse else [0, 0, sel_bytes, 0]
+        assert [meter.bytes[f"layer{i}"] for i in range(4)] == [state + e for e in extra]
+    apply_plan(model, PLAIN)
+    full = meter_model_step(model, ids, labels)
+    assert full.bytes["layer0"] > 8 * meter.bytes["layer0"]
+
+
+def test_kda_blocks_pass_the_selection_on_without_keeping_it():
+    # K D K D with indexer "fs": the K block between the full and the shared layer must hand the
+    # selection on; without reuse only the shared layer keeps it (once).
+    cfg = _cfg(layer_pattern="KDKD", indexer_pattern="ffss")
+    model = _model(cfg)
+    ids, labels = _batch(cfg)
+    ref = _step(model, ids, labels, PLAIN)
+    plan = MemoryPlan.from_dict({"recompute": "on", "offload": "off", "reuse_selection": False})
+    _assert_same(ref, _step(model, ids, labels, plan))
+    apply_plan(model, plan)
+    m = meter_model_step(model, ids, labels)
+    state = B * S * cfg.hc_streams * cfg.hidden_size * 4
+    assert [m.bytes[f"layer{i}"] for i in range(4)] == [state, state, state, state + B * S * cfg.index_width() * 4]
+
+
+def test_recompute_redoes_blocks_under_the_forward_autocast():
+    # Backward runs outside the caller's autocast; a recompute that forgot it would redo the block in
+    # fp32 and give different (bf16-rounding-sized) gradients.
+    cfg = _cfg()
+    model = _model(cfg)
+    ids, labels = _batch(cfg)
+    ref = _step(model, ids, labels, PLAIN, autocast=True)
+    _assert_same(ref, _step(model, ids, labels, RECOMPUTE, autocast=True), rtol=1e-6, atol=1e-8)
+
+
+def test_indexer_kl_under_recompute():
+    # The KL is computed once, in the first forward, and trains the indexer the same way.
+    cfg = _cfg(indexer_loss=True)
+    model = _model(cfg)
+    ids, labels = _batch(cfg)
+    model.train()
+    ref = _step(model, ids, labels, PLAIN)
+    _assert_same(ref, _step(model, ids, labels, MemoryPlan.from_dict(
+        {"recompute": "on", "offload": "off", "reuse_selection": False})))
+    assert any("indexer" in n for n in ref[1])
+
+
+def test_aux_balancer_with_recompute_is_refused():
+    model = _model(_cfg(balancer="aux"))
+    with pytest.raises(ConfigError, match="memory.recompute"):
+        apply_plan(model, RECOMPUTE)
+    apply_plan(model, PLAIN)  # without recompute it is fine
+
+
+# ------------------------------------------------------------------ offload (logic path on the CPU)
+class _CheckedOffloader(Offloader):
+    """Asserts the prefetch: once a tensor of block i is back, all of block i-1's are on their way."""
+
+    def unpack(self, h):
+        group = getattr(h, "group", None)
+        out = super().unpack(h)
+        if group is not None:
+            pos = self.group_order.index(group)
+            if pos > 0:
+                for prev in self.groups[self.group_order[pos - 1]]:
+                    assert self.handles[prev.index] is None or prev.gpu is not None, "previous block not prefetched"
+        return out
+
+
+@pytest.mark.parametrize("residual", ["mhc", "attnres"])
+def test_offload_forced_on_cpu(residual):
+    cfg = _cfg(residual)
+    model = _model(cfg)
+    ids, labels = _batch(cfg)
+    ref = _step(model, ids, labels, PLAIN)
+    policy = RecomputePolicy(recompute=True, offload_layers=3, reuse_selection=True, pin_memory=False, force_offload=True)
+    policy.offloader = off = _CheckedOffloader(pin_memory=False, min_bytes=0, force=True)
+    calls = []
+    fetch = off._fetch
+    off._fetch = lambda h: (calls.append(h.group), fetch(h))[1]
+
+    apply_plan(model, RECOMPUTE)
+    model.block_fn = policy
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=labels, return_logits=False)
+    # blocks 0..2 offloaded, block 3 kept on the device
+    assert off.group_order == [0, 1, 2]
+    n = off.live_handles()
+    assert n == len(off.handles) >= 3 + 1  # three states and the kept selection of layer 1 at least
+    assert off.bytes_offloaded == off._live_host == sum(h.nbytes for h in off.handles) > 0
+    out.loss.backward()
+    got = (out.loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None})
+    model.block_fn = None
+    _assert_same(ref, got)
+    assert off.live_handles() == 0 and off._live_host == 0  # every handle consumed once
+    assert calls[0] == 2 and sorted(set(calls)) == [0, 1, 2]  # backward fetched from the last block down
+    assert off.peak_host_bytes == off.bytes_offloaded
+    policy.end_step()
+    assert off.handles == [] and off.groups == {} and off.group_order == []
+
+
+def test_offload_refuses_a_second_backward():
+    cfg = _cfg()
+    model = _model(cfg)
+    ids, labels = _batch(cfg)
+    apply_plan(model, RECOMPUTE)
+    policy = RecomputePolicy(offload_layers=4, force_offload=True, pin_memory=False)
+    policy.offloader.min_bytes = 0
+    model.block_fn = policy
+    loss = model(ids, labels=labels, return_logits=False).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="unpacked twice"):
+        loss.backward()
+    policy.end_step()
+    model.block_fn = None
+
+
+# ------------------------------------------------------------------ the other switches
+def test_mhc_cast_recompute_keeps_no_fp32_copy():
+    cfg = _cfg(layer_pattern="KKKK", mlp_pattern="d")
+    model = _model(cfg).to(torch.bfloat16)  # bf16 streams: the projection's .float() is a real copy
+    ids, labels = _batch(cfg)
+    fp32_copy = (B, S, cfg.hc_streams * cfg.hidden_size)
+    for on in (True, False):
+        apply_plan(model, MemoryPlan.from_dict({"recompute": "off", "offload": "off", "mhc_cast_recompute": on}))
+        m = meter_model_step(model, ids, labels)
+        for i in range(cfg.num_layers):
+            copies = [s for s, dt in m.shapes[f"layer{i}"] if dt == "float32" and s == fp32_copy]
+            assert len(copies) == (0 if on else 2), (on, i, copies)  # two mHC connections per block
+        if on:
+            fp32_on = sum(m.by_dtype[f"layer{i}"]["float32"] for i in range(cfg.num_layers))
+        else:
+            fp32_off = sum(m.by_dtype[f"layer{i}"]["float32"] for i in range(cfg.num_layers))
+    assert fp32_off - fp32_on >= 2 * cfg.num_layers * B * S * cfg.hc_streams * cfg.hidden_size * 4
+
+
+def _module_tensors(mod):
+    """Tensors held in a module's plain attributes (not parameters, buffers or submodules)."""
+    found = []
+
+    def walk(v, name):
+        if isinstance(v, torch.Tensor):
+            found.append((name, v))
+        elif isinstance(v, (list, tuple)):
+            for j, x in enumerate(v):
+                walk(x, f"{name}[{j}]")
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{name}.{k}")
+
+    for k, v in vars(mod).items():
+        if k not in ("_parameters", "_buffers", "_modules"):
+            walk(v, k)
+    return found
+
+
+@pytest.mark.parametrize("recompute", ["off", "on"])
+def test_router_release(recompute):
+    cfg = _cfg()
+    model = _model(cfg).train()
+    ids, labels = _batch(cfg)
+    for release in (True, False):
+        apply_plan(model, MemoryPlan.from_dict({"recompute": recompute, "offload": "off", "router_release": release}))
+        loss = model(ids, labels=labels, return_logits=False).loss
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        assert moes
+        for m in moes:
+            big = [(n, tuple(t.shape)) for sub in m.modules() for n, t in _module_tensors(sub)
+                   if t.numel() > cfg.n_routed_experts]
+            if release:  # only per-expert statistics (load, pending bias) survive the forward
+                assert big == [], big
+            else:
+                assert any(n.startswith("router_state") and B * S in shape for n, shape in big), big
+        loss.backward()
+        model.block_fn = None
+
+
+def test_plan_from_dict_errors_name_the_setting():
+    bad = [({"recompute": "full"}, "memory.recompute"), ({"offload": "some"}, "memory.offload"),
+           ({"offload": True}, "memory.offload"), ({"indexer_chunk": 0}, "memory.indexer_chunk"),
+           ({"attn_chunk": -3}, "memory.attn_chunk"), ({"moe_chunk": -1}, "memory.moe_chunk"),
+           ({"pin_memory": "yes"}, "memory.pin_memory"), ({"loss_chunk": 1.5}, "memory.loss_chunk"),
+           ({"recompte": "on"}, "memory.recompte")]
+    for d, name in bad:
+        with pytest.raises(ConfigError) as e:
+            MemoryPlan.from_dict(d)
+        msg = str(e.value)
+        assert name in msg and "\n" not in msg, (d, msg)
+    assert "did you mean recompute" in _err({"recompte": "on"})
+    assert MemoryPlan.from_dict({"offload": 3}).offload_blocks() == 3
+    assert MemoryPlan.from_dict({"baseline": True, "sparse_kernel": True}).sparse_kernel is True
+
+
+def _err(d):
+    try:
+        MemoryPlan.from_dict(d)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def test_baseline_is_all_off_and_apply_plan_sets_the_modules():
+    b = MemoryPlan.baseline()
+    assert MemoryPlan.from_dict({"baseline": True}) == b
+    d = b.to_dict()
+    assert [k for k, v in d.items() if v is True] == []
+    assert (b.recompute, b.offload, b.moe_chunk, b.loss_chunk) == ("off", "off", 0, 0)
+    assert all(v is True for k, v in MemoryPlan().to_dict().items() if isinstance(v, bool))
+
+    model = _model(_cfg())
+    assert apply_plan(model, b) is None and model.block_fn is None
+    dsa = [m for m in model.modules() if isinstance(m, SparseMLA)]
+    assert [m.attn_impl for m in dsa] == ["dense"] * 3
+    assert [m.indexer.chunk for m in dsa if m.indexer is not None] == [None, None]
+    for m in model.modules():
+        if isinstance(m, MoE):
+            assert (m.chunk_tokens, m.combine_dtype, m.release_router_state) == (None, torch.float32, False)
+        if isinstance(m, MHC):
+            assert m.recompute_cast is False
+    assert model.loss_chunk is None
+
+    full = MemoryPlan.from_dict({"recompute": "on", "offload": "2", "indexer_chunk": 64, "moe_chunk": 32, "loss_chunk": 16})
+    policy = apply_plan(model, full)
+    assert model.block_fn is policy and policy.offload_layers == 2 and policy.reuse_selection
+    assert [m.attn_impl for m in dsa] == ["sparse"] * 3
+    assert [m.indexer.chunk for m in dsa if m.indexer is not None] == [64, 64]
+    assert {m.chunk_tokens for m in model.modules() if isinstance(m, MoE)} == {32}
+    assert model.loss_chunk == 16
+    with pytest.raises(ValueError, match="resolved plan"):
+        apply_plan(model, MemoryPlan())
+
+
+# ------------------------------------------------------------------ chunked indexer: O(S) not O(S^2)
+def test_chunked_indexer_peak_is_linear_unchunked_quadratic():
+    cfg = preset("tiny")
+    torch.manual_seed(0)
+    ix = KPoolIndexer(cfg, 3)
+    peaks = {128: [], None: []}
+    for s in (512, 1024, 2048):
+        x, q = torch.randn(1, s, cfg.hidden_size), torch.randn(1, s, cfg.q_lora_rank)
+        sels = []
+        for chunk, got in peaks.items():
+            with LiveBytes() as lb:
+                sels.append(ix.select(x, q, chunk=chunk))
+            got.append(lb.peak)
+        assert torch.equal(sels[0], sels[1])
+        del sels
+    lin = [b / a for a, b in itertools.pairwise(peaks[128])]
+    quad = [b / a for a, b in itertools.pairwise(peaks[None])]
+    assert all(1.6 < r < 2.4 for r in lin), (peaks, lin)
+    assert all(3.3 < r < 4.6 for r in quad), (peaks, quad)
+    assert peaks[None][-1] > 5 * peaks[128][-1]
+
+
+def test_live_bytes_counts_storages_and_frees():
+    with LiveBytes() as lb:
+        a = torch.ones(1000)  # 4000 bytes
+        v = a[:10] + 0  # a new 40-byte storage
+        w = a.view(10, 100)  # a view: nothing new
+        del a, w
+        b = torch.zeros(500)  # the next op sees a's storage gone
+        assert lb.current == 40 + 2000
+    assert lb.peak == 4040
+    with pytest.raises(torch.OutOfMemoryError), LiveBytes(limit=1000):
+        torch.ones(1000)
+    del v, b
+
+
+# ------------------------------------------------------------------ the estimator and its CLI
+def test_estimate_kept_matches_the_meter_under_recompute():
+    cfg = preset("tiny")
+    s = 512
+    model = _model(cfg)
+    ids, labels = _batch(cfg, s=s, b=1)
+    apply_plan(model, RECOMPUTE)
+    m = meter_model_step(model, ids, labels)
+    e = estimate(cfg, s, RECOMPUTE, act_bytes=4)
+    assert [m.bytes[f"layer{i}"] for i in range(cfg.num_layers)] == list(e["kept_gpu"].values())
+    # with the indexer KL the kept inputs of its graph are in the estimate too (to within 10 %)
+    cfg = cfg.replace(indexer_loss=True)
+    model = _model(cfg).train()
+    apply_plan(model, RECOMPUTE)
+    m = meter_model_step(model, ids, labels)
+    e = estimate(cfg, s, RECOMPUTE, act_bytes=4)
+    got, want = m.bytes["layer3"], e["kept_gpu"]["layer 3 (D)"]
+    assert abs(got - want) < 0.1 * got, (got, want)
+    # offloaded blocks move from the GPU column to the host column
+    e2 = estimate(cfg, s, MemoryPlan.from_dict({"recompute": "on", "offload": "2"}), act_bytes=4)
+    assert list(e2["kept_host"].values()) == list(e["kept_gpu"].values())[:2]
+
+
+def test_estimate_monotone_and_baseline_far_below_full_plan():
+    cfg = preset("h200-ref")
+    lens = [2**k for k in range(12, 22)]
+    for plan in (MemoryPlan.baseline(), MemoryPlan.from_dict({"recompute": "on", "offload": "0"}),
+                 MemoryPlan.from_dict({"recompute": "off", "offload": "off"})):
+        gb = [estimate(cfg, s, plan)["gpu_bytes"] for s in lens]
+        assert all(b > a for a, b in itertools.pairwise(gb)), (plan.describe(), gb)
+
+    def max_len(fits):
+        best, s = 0, 4096
+        while s <= 2**24 and fits(s):
+            best, s = s, 2 * s
+        return best
+
+    base = max_len(lambda s: estimate(cfg, s, MemoryPlan.baseline())["fits"])
+    full = max_len(lambda s: auto_plan(cfg, s, MemoryPlan())[1]["fits"])
+    assert 4096 <= base and full >= 8 * base, (base, full)
+    # auto picks the cheapest plan that fits: no recompute at 8k, recompute (+ offload) when needed
+    assert auto_plan(cfg, 8192, MemoryPlan())[0].recompute == "off"
+    p, e = auto_plan(cfg, full, MemoryPlan())
+    assert p.recompute == "on" and e["fits"] and e["gpu_bytes"] <= 0.97 * e["gpu_capacity"]
+
+
+def test_estimate_cli():
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "longctx", "estimate", "--preset", "h200-ref", "--seq-len", "1048576"],
+                       check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode in (0, 1), r.stderr
+    for word in ("static", "kept for backward", "working set", "GPU peak", "verdict:"):
+        assert word in r.stdout, r.stdout
+    verdict = r.stdout.strip().splitlines()[-1]
+    assert r.returncode == (0 if verdict == "verdict: fits" else 1), (r.returncode, verdict)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--seq-len", "0"], "--seq-len"),
+    (["--set", "recompte=on"], "memory.recompte"), (["--set", "offload"], "--set"),
+    (["--gpu", "tpu"], "--gpu"), (["--cp", "0"], "--cp"), (["--preset", "huge"], "preset")])
+def test_estimate_cli_bad_input(argv, needle, capsys):
+    from longctx.cli import main
+
+    assert main(["estimate", "--seq-len", "4096", *argv]) == 2  # what `python -m longctx` exits with
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+
+
+def test_estimate_cli_json(capsys):
+    from longctx.cli import main
+
+    rc = main(["estimate", "--preset", "tiny", "--seq-len", "4096", "--json", "--set", "recompute=on"])
+    e = json.loads(capsys.readouterr().out)
+    assert rc == 0 and e["fits"] and e["plan"]["recompute"] == "on" and e["seq_len"] == 4096
+
+
+# ------------------------------------------------------------------ the GPU benchmark, smoke-run on the CPU
+def test_bench_memory_cpu_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "bench" / "memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # the flag's own lengths (256, 1024) with one switch off: every part and code path in a dozen steps
+    argv = ["--cpu-smoke", "--out", str(tmp_path), "--quiet", "--configs", "recompute_off",
+            "--host-steps", "2"]
+    assert bench.main(argv) == 0
+    res = json.loads((tmp_path / "memory.json").read_text())
+    assert (tmp_path / "memory.png").stat().st_size > 1000
+    assert res["device"] == "cpu" and res["preset"] == "tiny" and res["command"] and res["date"]
+    runs = res["runs"]
+    names = {r["config"] for r in runs}
+    assert names == {"all_on", "recompute_off"}
+    assert {r["seq_len"] for r in runs} == {256, 1024}
+    ok = [r for r in runs if r["status"] == "ok"]
+    assert ok and all(r["peak_allocated_gib"] > 0 and r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["mfu"] > 0
+                      and r["estimate_gib"] > 0 for r in ok)
+    assert any(r["status"] == "oom" for r in runs)  # the smoke capacity makes the plain configs run out
+    assert any(r["status"] == "same_as_all_on" for r in runs)  # 256 tokens fit without recompute
+    assert all(r["status"] in ("ok", "oom", "same_as_all_on", "skipped_after_oom") for r in runs)
+    bl = res["baseline_max_context"]
+    assert bl["max_ok"] is not None and bl["attempts"][-1]["status"] == "oom"
+    off = res["offload_pinned_vs_pageable"]
+    assert off["pinned"]["status"] == "ok" and off["pageable"]["status"] == "ok"
+    assert off["pinned"]["offloaded_gib"] > 0  # the smoke forces the offloader to copy CPU tensors
+    host = res["host_memory_with_offload"]
+    assert len(host["rss_gib"]) == host["steps"] == 2 and host["status"] == "ok"
+    # a second invocation with --resume keeps what is there and measures nothing again
+    before = json.loads((tmp_path / "memory.json").read_text())
+    assert bench.main([*argv, "--resume", "--parts", "runs"]) == 0
+    after = json.loads((tmp_path / "memory.json").read_text())
+    assert after["runs"] == before["runs"] and after["baseline_max_context"] == bl
