@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,27 +27,12 @@ sys.path.insert(0, str(ROOT))
 
 import triton
 
+from timing import timed  # noqa: E402  (bench/ is on sys.path when run as a script)
 from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch
 from longctx.ops.indexer import triton_kernel as tk
 
 P, K = 4, 512
 GIB = 1 << 30
-
-
-def timed(fn, warmup: int, reps: int) -> float:
-    """Median milliseconds over `reps` CUDA-event-timed calls after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ms.append(a.elapsed_time(b))
-    return statistics.median(ms)
 
 
 def peak_gib(fn) -> float:

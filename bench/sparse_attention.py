@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,26 +28,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 import triton
 from test_gpu_sparse_attention import causal_pool_indices
 
+from timing import timed  # noqa: E402  (bench/ is on sys.path when run as a script)
 from longctx.ops.sparse_attention import triton_kernel as tk
 
 D, K = 512, 2051
 GIB = 1 << 30
-
-
-def timed(fn, warmup: int, reps: int) -> float:
-    """Median milliseconds over `reps` CUDA-event-timed calls after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ms.append(a.elapsed_time(b))
-    return statistics.median(ms)
 
 
 def fwd_flops(S: int, H: int) -> float:

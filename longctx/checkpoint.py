@@ -50,6 +50,16 @@ def set_rng_state(st: dict):
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+def write_model_files(model, directory: str):
+    """Weights (our key layout, safetensors) and the model config: what `load_pretrained` reads."""
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    save_file(sd, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "longctx_config.json"), "w") as f:
+        f.write(model.cfg.to_json())
+
+
 def save(out_dir: str, step: int, model, optimizer, trainer_state: dict, config_dict: dict) -> str:
     """Write DIR/ckpt-<step>/ then flip DIR/checkpoint to it. Returns the checkpoint path."""
     os.makedirs(out_dir, exist_ok=True)
@@ -58,12 +68,7 @@ def save(out_dir: str, step: int, model, optimizer, trainer_state: dict, config_
     tmp = final + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if model.cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    save_file(sd, os.path.join(tmp, "model.safetensors"))
-    with open(os.path.join(tmp, "longctx_config.json"), "w") as f:
-        f.write(model.cfg.to_json())
+    write_model_files(model, tmp)
     with open(os.path.join(tmp, "train_config.json"), "w") as f:
         json.dump(config_dict, f, indent=2, default=str)
     torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None,

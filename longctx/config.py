@@ -15,7 +15,7 @@ import json
 import math
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import ConfigError, did_you_mean
 

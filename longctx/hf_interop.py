@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .checkpoint import write_model_files
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
 from .model import LongCtxModel
@@ -340,12 +341,7 @@ def save_checkpoint_dir(model: LongCtxModel, path: str):
     tmp = path.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if model.cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    save_file(sd, os.path.join(tmp, "model.safetensors"))
-    with open(os.path.join(tmp, OUR_CONFIG), "w") as f:
-        f.write(model.cfg.to_json())
+    write_model_files(model, tmp)
     _replace_dir(tmp, path)
 
 
