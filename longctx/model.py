@@ -94,11 +94,15 @@ class LongCtxModel(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     # ------------------------------------------------------------------ trunk
-    def hidden(self, input_ids: torch.Tensor, caches=None, cu_seqlens=None) -> torch.Tensor:
+    def embed_state(self, input_ids: torch.Tensor):
+        """The residual state the first block reads (the streams of mHC, the embedding otherwise)."""
         h = self.embed(input_ids)
         if torch.is_autocast_enabled(h.device.type):  # the residual stream lives in the compute dtype
             h = h.to(torch.get_autocast_dtype(h.device.type))
-        state = self.stream.init(h)
+        return self.stream.init(h)
+
+    def hidden(self, input_ids: torch.Tensor, caches=None, cu_seqlens=None) -> torch.Tensor:
+        state = self.embed_state(input_ids)
         selection = None
         for i, block in enumerate(self.layers):
             cache = caches[i] if caches is not None else None

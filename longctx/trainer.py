@@ -191,9 +191,14 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
+        chunked = getattr(self.memory_policy, "forward_backward", None)
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            out = model(x, labels=y, return_logits=False)
-        out.loss.backward()
+            if chunked is not None:  # sequence-chunked step: forward and backward in one sweep pair
+                out = chunked(model, x, y)
+            else:
+                out = model(x, labels=y, return_logits=False)
+        if chunked is None:
+            out.loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

@@ -40,6 +40,16 @@ class DSACache:
         return self.latent.n
 
 
+class LatentPrefix:
+    """Training over sequence chunks (`longctx.memory.sequence_chunks`): the latent rows of the
+    tokens before this chunk (`rows`, a leaf that collects their gradient; None for the first
+    chunk). The forward records the chunk's own rows in `new_rows`; the selection is passed in."""
+
+    def __init__(self, rows: torch.Tensor | None):
+        self.rows = rows
+        self.new_rows: torch.Tensor | None = None
+
+
 class SparseMLA(nn.Module):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -84,7 +94,14 @@ class SparseMLA(nn.Module):
         c = self.kv_a_norm(self.kv_a_proj(x))  # [B, T, kv_lora]
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora)
         q_abs = torch.einsum("bthn,hnl->bthl", q, w[:, : self.nope])
-        kv = c if cache is None else cache.latent.append(c)
+        if isinstance(cache, LatentPrefix):
+            if forced_selection is None and prev_selection is None:
+                raise ValueError(f"DSA layer {self.layer_idx}: a LatentPrefix chunk needs its selection passed in.")
+            cache.new_rows = c
+            kv = c if cache.rows is None else torch.cat([cache.rows.to(c.dtype), c], 1)
+            cache = None
+        else:
+            kv = c if cache is None else cache.latent.append(c)
 
         selection = forced_selection
         if selection is None:

@@ -96,9 +96,25 @@ def sign_step_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch
     return bias.detach().float() + rate * torch.sign(load.mean() - load)
 
 
+_REPLAY_DEPTH = [0]
+
+
+class replaying:
+    """Context: the forwards inside are re-runs of a forward already recorded (the backward sweep of
+    the sequence-chunked step), so they must not touch the balance bookkeeping again."""
+
+    def __enter__(self):
+        _REPLAY_DEPTH[0] += 1
+        return self
+
+    def __exit__(self, *a):
+        _REPLAY_DEPTH[0] -= 1
+        return False
+
+
 def _in_backward() -> bool:
-    """True while autograd's engine runs, i.e. inside an activation-recompute forward."""
-    return torch._C._current_graph_task_id() != -1
+    """True while autograd's engine runs (an activation-recompute forward) or during a replay."""
+    return torch._C._current_graph_task_id() != -1 or _REPLAY_DEPTH[0] > 0
 
 
 # ----------------------------------------------------------------------------- modules

@@ -131,12 +131,52 @@ def _kept_selections(cfg: ModelConfig, plan: MemoryPlan) -> list[bool]:
     return out
 
 
+def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: int) -> dict:
+    """Sequence-chunked step (memory/sequence_chunks.py): the block-level estimate of one chunk of C
+    tokens, plus what stays O(S): per DSA layer the latent rows and their fp32 gradient buffer, the
+    pooled indexer keys, the selections (pinned host), and the KDA carries at each chunk start; the
+    indexer scores a chunk's queries against all S/P pools; a DSA block's backward holds the
+    concatenated prefix, its gradient and the kernel's fp32 dkv over S rows."""
+    C = plan.seq_chunk_tokens()
+    n_chunks = -(-S // C)
+    inner = dataclasses.replace(plan, seq_chunk="off", offload="0", recompute="on" if plan.recompute == "on" else "off")
+    e = estimate(cfg, min(C, S), inner, 1, gpu, a)
+    kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
+    L = cfg.kv_lora_rank
+    kept = {}
+    for i, k in enumerate(kinds):
+        if k == "D":
+            b = S * L * (a + 4)  # latent rows + fp32 gradient buffer
+            if idx[i] == "f":
+                b += S // cfg.index_pool * cfg.index_head_dim * a
+            kept[f"layer {i} (D) latents + grad"] = b
+        else:
+            kept[f"layer {i} (K) carries"] = 2 * n_chunks * cfg.kda_heads * cfg.kda_head_dim**2 * 4
+    for name, b in e["kept_gpu"].items():
+        kept[f"{name}, one chunk"] = b
+    host = {f"layer {i} selection": S * cfg.index_width() * 4 for i, k in enumerate(kinds) if k == "D" and idx[i] == "f"}
+    work = dict(e["working"])
+    if "D" in kinds:
+        P = cfg.index_pool
+        rows = min(C, plan.indexer_chunk) if plan.chunked_indexer else C
+        work["indexer workspace"] = rows * (S // P) * 4 * (cfg.index_heads + 2) + C * cfg.index_width() * 4
+        work["DSA prefix + grads (backward)"] = S * L * (a + a + 4)
+    gpu_bytes = (sum(e["static"].values()) + sum(kept.values()) + sum(work.values())) * ALLOCATOR_SLACK
+    host_bytes = sum(host.values())
+    cap = GPUS[gpu]
+    return dict(e, seq_len=S, plan=plan.to_dict(), kept_gpu=kept, kept_host=host, working=work, gpu_bytes=int(gpu_bytes),
+                host_bytes=int(host_bytes),
+                fits=gpu_bytes <= cap["memory"] * 0.97 and host_bytes <= cap["host"] * 0.8)
+
+
 def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200", act_bytes: int = 2) -> dict:
     """The breakdown (bytes) for one step of S tokens per sequence split over `cp` GPUs.
     `act_bytes`: bytes per activation element (2 under bf16 autocast; 4 for an fp32 model)."""
     if gpu not in GPUS:
         raise ConfigError(f"--gpu {gpu!r} is unknown; choose one of {', '.join(GPUS)}.")
     S_local = -(-S // cp)
+    if plan.seq_chunk_tokens() and plan.seq_chunk_tokens() < S_local:
+        return dict(_estimate_chunked(cfg, S_local, plan, gpu, act_bytes), seq_len=S, cp=cp)
     n_params = _params(cfg)
     static = {"parameters (fp32)": n_params * 4, "gradients (fp32)": n_params * 4,
               "AdamW moments (fp32)": n_params * 8, "bf16 weight copies": n_params * 2}
@@ -180,16 +220,27 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
 
 def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200",
               act_bytes: int = 2) -> tuple[MemoryPlan, dict]:
-    """Resolve recompute/offload "auto": the cheapest that fits — no recompute, else recompute,
-    else recompute + offload of as few blocks as needed."""
+    """Resolve recompute/offload/seq_chunk "auto": the cheapest that fits — no recompute, else
+    recompute, else recompute + offload of as few blocks as needed, else the sequence in chunks
+    (the largest power-of-two chunk that fits, recompute on inside a chunk)."""
     choices = []
     rc = ["off", "on"] if plan.recompute == "auto" else [plan.recompute]
+    whole = "off" if plan.seq_chunk == "auto" else plan.seq_chunk
     for r in rc:
         offs = (["0"] + [str(i) for i in range(1, cfg.num_layers + 1)]) if plan.offload == "auto" else [plan.offload]
         for o in offs:
             if r == "off" and o not in ("0", "off"):
                 continue
-            choices.append(dataclasses.replace(plan, recompute=r, offload=o))
+            if whole != "off" and o not in ("0", "off"):
+                continue
+            choices.append(dataclasses.replace(plan, recompute=r, offload=o, seq_chunk=whole))
+    if plan.seq_chunk == "auto":
+        S_local = -(-S // cp)
+        c = 1 << max(0, (S_local - 1).bit_length() - 1)  # largest power of two below S_local
+        while c >= 1024:
+            choices.append(dataclasses.replace(plan, recompute="on" if plan.recompute == "auto" else plan.recompute,
+                                               offload="0", seq_chunk=str(c)))
+            c //= 2
     last = None
     for c in choices:
         e = estimate(cfg, S, c, cp, gpu, act_bytes)
@@ -202,7 +253,7 @@ def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str 
 def resolve_auto(plan: MemoryPlan, cfg: ModelConfig, tokens: int, device,
                  act_bytes: int = 2) -> tuple[MemoryPlan, dict | None]:
     """Resolve "auto" switches for this device; returns (plan, its estimate or None)."""
-    if plan.recompute != "auto" and plan.offload != "auto":
+    if "auto" not in (plan.recompute, plan.offload, plan.seq_chunk):
         return plan, None
     import torch
 
@@ -218,7 +269,7 @@ def resolve_auto(plan: MemoryPlan, cfg: ModelConfig, tokens: int, device,
 def format_report(e: dict) -> str:
     g = lambda b: f"{b / GIB:9.2f}"  # noqa: E731
     lines = [f"estimate: {e['seq_len']:,} tokens/sequence, CP {e['cp']}, {e['gpu']}, {e['params'] / 1e9:.3f}B parameters",
-             f"plan: recompute={e['plan']['recompute']} offload={e['plan']['offload']} "
+             f"plan: recompute={e['plan']['recompute']} offload={e['plan']['offload']} seq_chunk={e['plan']['seq_chunk']} "
              f"sparse_kernel={e['plan']['sparse_kernel']} chunked_indexer={e['plan']['chunked_indexer']}", "",
              f"{'component':<40}{'GiB':>9}"]
     for title, part in (("static", e["static"]), ("kept for backward (GPU)", e["kept_gpu"]),

@@ -14,6 +14,10 @@
     moe_bf16_combine    expert outputs combined in bf16            combined in fp32
     moe_chunk           MoE over `moe_chunk` tokens at a time      all tokens at once (peak follows skew)
     loss_chunk          LM head + loss over `loss_chunk` rows      [S, vocab] logits materialised
+    seq_chunk           the step runs over the sequence in chunks  the whole sequence at once
+                        of N tokens, backprop carried between them
+                        ("auto": only when block recompute and
+                        offload cannot fit; see sequence_chunks)
 
 `MemoryPlan.from_dict({...})` validates names and values (one sentence per mistake);
 `apply_plan(model, plan)` sets the module switches and returns the block policy the trainer calls
@@ -46,13 +50,14 @@ class MemoryPlan:
     moe_chunk: int = 65536
     loss_chunk: int = 8192
     attn_chunk: int = 1024  # queries per pass of the torch sparse-attention twin
+    seq_chunk: str = "auto"  # "auto" | "off" | tokens per chunk, e.g. "65536"
 
     @classmethod
     def baseline(cls) -> "MemoryPlan":
         """What a plain implementation does: every technique off."""
         return cls(sparse_kernel=False, chunked_indexer=False, recompute="off", offload="off", pin_memory=False,
                    reuse_selection=False, router_release=False, mhc_cast_recompute=False, moe_bf16_combine=False,
-                   moe_chunk=0, loss_chunk=0)
+                   moe_chunk=0, loss_chunk=0, seq_chunk="off")
 
     @classmethod
     def from_dict(cls, d: dict | None, base: "MemoryPlan | None" = None) -> "MemoryPlan":
@@ -63,14 +68,17 @@ class MemoryPlan:
         for k in d:
             if k not in known:
                 raise ConfigError(f"unknown setting memory.{k}{did_you_mean(k, known) or '; the switches are ' + ', '.join(sorted(known))}")
-        if "offload" in d and not isinstance(d["offload"], str):
-            d["offload"] = str(d["offload"]) if isinstance(d["offload"], int) and not isinstance(d["offload"], bool) else d["offload"]
+        for k in ("offload", "seq_chunk"):
+            if k in d and isinstance(d[k], int) and not isinstance(d[k], bool):
+                d[k] = str(d[k])
         plan = dataclasses.replace(base or cls(), **d)
         _check_types(plan, "memory")
         if plan.recompute not in ("auto", "on", "off"):
             raise ConfigError(f"memory.recompute must be auto, on or off (got {plan.recompute!r}).")
         if plan.offload not in ("auto", "off") and not plan.offload.isdigit():
             raise ConfigError(f"memory.offload must be auto, off or a number of blocks (got {plan.offload!r}).")
+        if plan.seq_chunk not in ("auto", "off") and not (plan.seq_chunk.isdigit() and int(plan.seq_chunk) > 0):
+            raise ConfigError(f"memory.seq_chunk must be auto, off or a number of tokens such as 65536 (got {plan.seq_chunk!r}).")
         for k in ("indexer_chunk", "attn_chunk"):
             if getattr(plan, k) < 1:
                 raise ConfigError(f"memory.{k} must be >= 1 (got {getattr(plan, k)}).")
@@ -82,10 +90,13 @@ class MemoryPlan:
     def offload_blocks(self) -> int:
         return int(self.offload) if self.offload.isdigit() else 0
 
+    def seq_chunk_tokens(self) -> int:
+        return int(self.seq_chunk) if self.seq_chunk.isdigit() else 0
+
     def describe(self) -> str:
         on = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is True]
         off = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is False]
-        return (f"recompute={self.recompute} offload={self.offload} moe_chunk={self.moe_chunk} "
+        return (f"recompute={self.recompute} offload={self.offload} seq_chunk={self.seq_chunk} moe_chunk={self.moe_chunk} "
                 f"loss_chunk={self.loss_chunk} indexer_chunk={self.indexer_chunk if self.chunked_indexer else 'off'} "
                 f"| on: {', '.join(on) or '-'} | off: {', '.join(off) or '-'}")
 
@@ -104,7 +115,16 @@ def apply_plan(model, plan: MemoryPlan):
     if "auto" in (plan.recompute, plan.offload):
         raise ValueError(f"apply_plan needs a resolved plan (recompute={plan.recompute!r}, offload={plan.offload!r}); "
                          "resolve 'auto' with longctx.memory.estimate.auto_plan or plan_for_stage first.")
-    blocks = plan.recompute == "on" or plan.offload_blocks() > 0
+    # an unresolved seq_chunk "auto" means the whole sequence: only the estimator turns chunking on
+    chunked = plan.seq_chunk_tokens() > 0
+    if chunked:
+        from .sequence_chunks import check_supported
+
+        check_supported(model)
+        if plan.offload_blocks():
+            raise ConfigError(f"memory.offload={plan.offload} does not combine with memory.seq_chunk={plan.seq_chunk} "
+                              "(a chunk's block inputs are small); set memory.offload = off.")
+    blocks = not chunked and (plan.recompute == "on" or plan.offload_blocks() > 0)
     if blocks and getattr(model.cfg, "balancer", None) == "aux" and "m" in model.cfg.mlp_kinds():
         raise ConfigError(
             f"memory.recompute={plan.recompute} / memory.offload={plan.offload} would drop the MoE auxiliary loss "
@@ -124,6 +144,12 @@ def apply_plan(model, plan: MemoryPlan):
         elif isinstance(m, MHC):
             m.recompute_cast = plan.mhc_cast_recompute
     model.loss_chunk = plan.loss_chunk or None
+    if chunked:
+        from .sequence_chunks import SequenceChunker
+
+        model.block_fn = None
+        return SequenceChunker(plan.seq_chunk_tokens(), checkpoint_blocks=plan.recompute == "on",
+                               pin_memory=plan.pin_memory)
     if blocks:
         model.block_fn = RecomputePolicy(recompute=True, offload_layers=plan.offload_blocks(),
                                          reuse_selection=plan.reuse_selection, pin_memory=plan.pin_memory)
@@ -146,7 +172,7 @@ def plan_for_stage(cfg, stage, device, stage_index: int = 0) -> MemoryPlan:
     if est is not None and not est["fits"]:
         raise ConfigError(
             f"stages.{stage_index}.seq_len ({stage.seq_len:,} x batch {stage.batch_size}) does not fit on this device even with "
-            f"recompute and offload (estimated {est['gpu_bytes'] / 2**30:.0f} GiB of {est['gpu_capacity'] / 2**30:.0f}); "
+            f"recompute, offload and sequence chunks (estimated {est['gpu_bytes'] / 2**30:.0f} GiB of {est['gpu_capacity'] / 2**30:.0f}); "
             "lower the sequence length or batch size (see `longctx estimate`)."
         )
     return resolved

@@ -1,0 +1,153 @@
+"""The sequence-chunked step (longctx/memory/sequence_chunks.py): the same loss and gradients as
+the whole-sequence step, activations that do not grow with S, and the plan/estimator/trainer wiring."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from longctx.config import preset
+from longctx.errors import ConfigError
+from longctx.layers.moe import MoE
+from longctx.memory.estimate import auto_plan
+from longctx.memory.meter import LiveBytes
+from longctx.memory.plan import MemoryPlan, apply_plan
+from longctx.memory.sequence_chunks import SequenceChunker
+from longctx.model import LongCtxModel
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(residual="mhc", dtype=torch.float64, **kw):
+    # 16 indexer heads: an all-zero (tied) pool score is then practically impossible, so the
+    # decoding-path selection of the forward sweep equals the whole-sequence one exactly.
+    cfg = dataclasses.replace(preset("tiny"), index_heads=16, residual=residual, **kw)
+    torch.manual_seed(0)
+    return LongCtxModel(cfg).to(dtype).train()
+
+
+def _batch(cfg, S=70, B=2):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    y[0, 5] = y[-1, 40:44] = -100
+    return x, y
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("residual", ["mhc", "plain"])
+@pytest.mark.parametrize("chunk,ckpt", [(16, True), (23, False), (8, True), (70, True)])
+def test_same_loss_and_grads_as_the_whole_sequence(residual, chunk, ckpt):
+    m = _model(residual)
+    x, y = _batch(m.cfg)
+    out = m(x, labels=y)
+    out.loss.backward()
+    ref, ref_loss = _grads(m), out.lm_loss.item()
+    m.zero_grad(set_to_none=True)
+    got = SequenceChunker(chunk, checkpoint_blocks=ckpt).forward_backward(m, x, y)
+    g = _grads(m)
+    assert g.keys() == ref.keys()
+    assert abs(got.lm_loss.item() - ref_loss) <= 1e-6 * abs(ref_loss)
+    # fp64 model; mHC coefficients, the router and the loss compute in fp32 by design, and the
+    # chunks sum their contributions in another order: ~1e-7 relative, not 1e-15.
+    for n in ref:
+        err = (g[n] - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-30)
+        assert err < 1e-5, (n, err.item())
+    assert torch.allclose(got.token_losses, m(x, labels=y, token_losses=True).token_losses, atol=1e-6)
+
+
+def test_chunks_record_the_balance_once_each():
+    m = _model()
+    x, y = _batch(m.cfg)
+    SequenceChunker(16).forward_backward(m, x, y)
+    moes = [mod for mod in m.modules() if isinstance(mod, MoE)]
+    assert moes and all(mod._pending_count == 5 for mod in moes)  # 70 tokens in chunks of 16: 5 forwards
+    assert all(mod.apply_balance_update() for mod in moes)
+
+
+def test_activation_peak_does_not_grow_with_the_sequence():
+    """Whole-sequence recompute: the live set grows with S. Chunked: only the O(S) carries (latent
+    rows, their gradient, kept selections) grow, a small fraction of it."""
+    m = _model(dtype=torch.float32)
+
+    def peak(S, chunked):
+        x, y = _batch(m.cfg, S=S, B=1)
+        m.zero_grad(set_to_none=True)
+        with LiveBytes() as lb:
+            if chunked:
+                SequenceChunker(64).forward_backward(m, x, y)
+            else:
+                m(x, labels=y).loss.backward()
+        m.zero_grad(set_to_none=True)
+        return lb.peak
+
+    apply_plan(m, MemoryPlan.from_dict({"recompute": "on", "offload": "off"}))
+    whole = peak(512, False) - peak(128, False)
+    apply_plan(m, MemoryPlan.from_dict({"recompute": "off", "offload": "off"}))
+    chunked = peak(512, True) - peak(128, True)
+    assert chunked < 0.25 * whole, (chunked, whole)
+
+
+def test_unsupported_settings_are_refused():
+    m = _model(balancer="aux")
+    x, y = _batch(m.cfg)
+    with pytest.raises(ConfigError, match="balancer"):
+        SequenceChunker(16).forward_backward(m, x, y)
+    with pytest.raises(ConfigError, match="balancer"):
+        apply_plan(m, MemoryPlan.from_dict({"recompute": "on", "offload": "off", "seq_chunk": 16}))
+    m = _model(indexer_loss=True)
+    with pytest.raises(ConfigError, match="indexer_loss"):
+        SequenceChunker(16).forward_backward(m, x, y)
+    with pytest.raises(ConfigError, match="seq_chunk"):
+        MemoryPlan.from_dict({"seq_chunk": "lots"})
+    with pytest.raises(ConfigError, match="offload"):
+        apply_plan(_model(), MemoryPlan.from_dict({"recompute": "on", "offload": "2", "seq_chunk": 16}))
+
+
+def test_apply_plan_returns_the_chunker():
+    m = _model()
+    pol = apply_plan(m, MemoryPlan.from_dict({"recompute": "on", "offload": "off", "seq_chunk": 32}))
+    assert isinstance(pol, SequenceChunker) and pol.chunk == 32 and pol.checkpoint_blocks and m.block_fn is None
+    assert apply_plan(m, MemoryPlan.from_dict({"recompute": "off", "offload": "off"})) is None
+
+
+def test_auto_plan_chunks_only_when_blocks_cannot_fit():
+    cfg = preset("h200-ref")
+    plan, e = auto_plan(cfg, 131072, MemoryPlan())
+    assert plan.seq_chunk == "off" and e["fits"]
+    plan, e = auto_plan(cfg, 1 << 20, MemoryPlan())
+    assert plan.seq_chunk_tokens() > 0 and e["fits"] and e["gpu_bytes"] <= 135 * 2**30
+    plan, e = auto_plan(cfg, 1 << 20, MemoryPlan.from_dict({"seq_chunk": "off"}))
+    assert not e["fits"]  # whole-sequence blocks cannot hold 1M tokens: the reason chunking exists
+
+
+def test_trainer_runs_a_chunked_stage(tmp_path):
+    from longctx.train_config import load_train_config
+    from longctx.trainer import Trainer
+
+    # sign balancing sums the chunks' loads, so the router bias follows the whole-sequence run exactly
+    # (quantile balancing averages per-chunk biases: same fixed point, not the same numbers).
+    sets = ["preset=tiny", "model.vocab_size=256", "model.index_heads=16", "model.balancer=sign", "stages.0.seq_len=128", "stages.0.steps=3",
+            "stages.0.warmup=1", "stages.0.batch_size=1", "stages.1.seq_len=256", "stages.1.steps=2", "stages.1.warmup=1",
+            "data.eval_windows=2", "memory.seq_chunk=64", "memory.recompute=on", "memory.offload=off"]
+    cfg = load_train_config(None, None, sets)
+    t = Trainer(cfg, out_dir=str(tmp_path / "chunked"), quiet=True)
+    t.run()
+    ref = Trainer(load_train_config(None, None, sets[:-3] + ["memory.seq_chunk=off", "memory.recompute=on",
+                                                             "memory.offload=off"]),
+                  out_dir=str(tmp_path / "whole"), quiet=True)
+    ref.run()
+    a = [r["loss"] for r in t.history if "loss" in r]
+    b = [r["loss"] for r in ref.history if "loss" in r]
+    assert len(a) == 5 and a == pytest.approx(b, rel=1e-4, abs=1e-4)
