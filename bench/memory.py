@@ -78,6 +78,7 @@ CONFIGS = {
     "moe_bf16_combine_off": lambda p: dataclasses.replace(p, moe_bf16_combine=False),
     "moe_chunk_off": lambda p: dataclasses.replace(p, moe_chunk=0),
     "loss_chunk_off": lambda p: dataclasses.replace(p, loss_chunk=0),
+    "seq_chunk_off": lambda p: dataclasses.replace(p, seq_chunk="off"),
 }
 QUICK_CONFIGS = ["all_on", "sparse_kernel_off", "chunked_indexer_off", "recompute_off", "loss_chunk_off"]
 
@@ -93,6 +94,8 @@ def effective(plan: MemoryPlan) -> dict:
         d["reuse_selection"] = None
     if not plan.chunked_indexer:
         d["indexer_chunk"] = None
+    if not plan.seq_chunk_tokens():
+        d["seq_chunk"] = "off"
     return d
 
 
@@ -259,9 +262,11 @@ class Bench:
         return ids[:, :-1].to(self.dev.dev), ids[:, 1:].to(self.dev.dev)
 
     def _one_step(self, policy, ids, labels) -> float:
+        chunked = getattr(policy, "forward_backward", None)  # a sequence-chunked plan runs its own backward
         with torch.autocast(self.dev.dev.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            out = self.model(ids, labels=labels, return_logits=False)
-        out.loss.backward()
+            out = chunked(self.model, ids, labels) if chunked else self.model(ids, labels=labels, return_logits=False)
+        if not chunked:
+            out.loss.backward()
         loss = out.loss.detach()
         del out
         self.opt.step()
@@ -288,7 +293,7 @@ class Bench:
         """`reps` full steps under `plan` (one policy, as in training; `after_step()` runs after each);
         {'status': 'ok', ...} or {'status': 'oom', 'error': ...}."""
         policy = apply_plan(self.model, plan)
-        if self.dev.smoke and policy is not None and policy.offloader is not None:
+        if self.dev.smoke and getattr(policy, "offloader", None) is not None:
             policy.offloader.force, policy.offloader.min_bytes = True, 0  # move (copy) even CPU tensors
         ids, labels = self.batch(S)
         self.dev.free()
@@ -319,7 +324,7 @@ class Bench:
              "step_s_all": times, "tokens_per_s": S / step_s, "mfu": flops["total"] / step_s / PEAK_FLOPS,
              "model_tflop": {k: v / 1e12 for k, v in flops.items()}, "host_rss_gib": host_rss_gib(),
              "loss": float(loss), "impl": self.model.impl_report()}
-        if policy is not None and policy.offloader is not None:
+        if getattr(policy, "offloader", None) is not None:
             r["offloaded_gib"] = policy.offloader.bytes_offloaded / GIB / max(1, reps)
         self.model.block_fn = None
         return r
