@@ -1,23 +1,35 @@
 """Benchmark: k-pool indexer selection (score + top-k pools), fused Triton kernel vs plain torch, one GPU.
 
-    python bench/indexer.py --out DIR [--quick] [--seqlens 8192,...] [--heads 16x64,32x128] [--sweep]
+    python bench/indexer.py --out DIR [--quick] [--seqlens 8192,...] [--heads 16x64] [--budget-s 120] [--sweep]
+    python bench/indexer.py --cpu-smoke --out DIR    # tiny sizes, the kernel under TRITON_INTERPRET=1
 
-Problem (the SPEC's): q [1,S,H,D] bf16 (pre-scaled), w [1,S,H] fp32, pooled keys [1,S/4,D] bf16, pool
-4, top-512 pools (2048 tokens). Per S it times the kernel, the chunked torch twin (256 queries per
-pass) and the unchunked twin (an fp32 [S,H,NP] workspace) until the unchunked one runs out of
-memory, records each one's peak memory above the inputs, and checks the kernel's picks against the
-chunked twin (rows that differ, and whether every difference is a near-tie). TFLOP/s are on the
-single-sweep count 2*H*D per causal (query, pool) pair; the kernel sweeps the keys 1 + passes times
-(passes are reported), so its executed rate is that times the mean sweep count.
-Writes DIR/indexer.json.
+Problem (the h200-ref indexer): q [1,S,16,64] bf16 (pre-scaled), w [1,S,16] fp32, pooled keys
+[1,S/4,64] bf16, pool 4, top-512 pools (top-2048 tokens). Per S it times the fused kernel, the
+chunked torch twin (256 queries per pass, up to --torch-max) and the unchunked twin (an fp32
+[S,H,NP] workspace) until it runs out of memory (recorded as {"oom": true}), records each one's
+peak memory above the inputs, and checks the kernel's picks against the chunked twin (rows that
+differ, and whether every difference is a near-tie).
+
+Floor: the scoring matmul alone at the measured bf16 MMA rate, 2*H*D*S*(S/P)/2 flops (causal) /
+778e12 flop/s; every implementation reports ms / floor. The kernel sweeps the keys 1 + passes
+times (radix passes + the emit pass; passes reported), so its floor ratio is at least that.
+A time budget (--budget-s, about two minutes) skips the cases projected to overrun it (scaling
+the last time by S^2), recorded as skipped. Writes DIR/indexer.json (indexer_cpu_smoke.json).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
+if "--cpu-smoke" in sys.argv:  # the interpreter must be on before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
 import argparse
 import datetime
 import json
-import sys
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -26,24 +38,56 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import triton
+from timing import timed  # bench/ is on sys.path when run as a script
 
-from timing import timed  # noqa: E402  (bench/ is on sys.path when run as a script)
 from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch
 from longctx.ops.indexer import triton_kernel as tk
 
-P, K = 4, 512
+P = 4
+MMA_PEAK = 778e12  # measured dense bf16 matmul rate on the H200 (bench/NOTES.md)
 GIB = 1 << 30
 
 
-def peak_gib(fn) -> float:
-    """Peak memory one call allocates above what is live before it, GiB."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    del out
-    return (torch.cuda.max_memory_allocated() - base) / GIB
+class Dev:
+    """CUDA (events, allocator peaks) or, for the smoke run, the CPU (wall clock, no peaks)."""
+
+    def __init__(self, cpu: bool):
+        self.cpu = cpu
+        self.name = "cpu" if cpu else "cuda"
+
+    def sync(self):
+        if not self.cpu:
+            torch.cuda.synchronize()
+
+    def first_call(self, fn):
+        """Run fn once (compiles, warms up): (output, wall seconds, peak GiB above what was live)."""
+        self.sync()
+        if not self.cpu:
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = fn()
+        self.sync()
+        sec = time.perf_counter() - t0
+        peak = None if self.cpu else (torch.cuda.max_memory_allocated() - base) / GIB
+        return out, sec, peak
+
+    def time_ms(self, fn, first_s: float, warmup: int, reps: int) -> tuple[float, int]:
+        """Median ms; slow calls (> 2 s once warm) get one rep and no extra warm-up."""
+        if first_s > 2.0:
+            warmup, reps = 0, 1
+        if self.cpu:
+            ms = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                ms.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(ms), reps
+        return timed(fn, warmup, reps), reps
+
+    def free(self):
+        if not self.cpu:
+            torch.cuda.empty_cache()
 
 
 def pairs(S: int) -> int:
@@ -52,11 +96,16 @@ def pairs(S: int) -> int:
     return int(((t + 1) // P).sum())
 
 
-def inputs(S, H, D, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = (torch.randn(1, S, H, D, device="cuda", generator=g) * D**-0.5).to(torch.bfloat16)
-    w = torch.randn(1, S, H, device="cuda", generator=g) * H**-0.5
-    pk = torch.randn(1, S // P, D, device="cuda", generator=g).to(torch.bfloat16)
+def floor_ms(S: int, H: int, D: int) -> float:
+    """The scoring matmul's flops, 2*H*D*S*(S/P)/2 (causal), at the bf16 MMA rate."""
+    return 2.0 * H * D * S * (S / P) / 2 / MMA_PEAK * 1e3
+
+
+def inputs(S, H, D, dev: Dev, seed=0):
+    g = torch.Generator(device=dev.name).manual_seed(seed)
+    q = (torch.randn(1, S, H, D, device=dev.name, generator=g) * D**-0.5).to(torch.bfloat16)
+    w = torch.randn(1, S, H, device=dev.name, generator=g) * H**-0.5
+    pk = torch.randn(1, S // P, D, device=dev.name, generator=g).to(torch.bfloat16)
     return q, w, pk
 
 
@@ -72,38 +121,39 @@ def agreement(out, ref, q, w, pk, max_rows=64) -> dict:
     return {"rows_differ": len(rows), "worst_rel_gap": worst}
 
 
-def kernel_case(S, H, D, warmup, reps, cfg=None, check=True, torch_max=131072):
-    q, w, pk = inputs(S, H, D)
-    run = lambda: tk.kpool_topk_triton(q, w, pk, P, K, cfg=cfg)
-    ms = timed(run, warmup, reps)
-    mem = peak_gib(run)
-    out = run()
-    stats = {k: tk.LAST_LAUNCH.get(k) for k in ("n_regs", "n_spills")}
-    passes = tk.LAST_LAUNCH["passes"].float()
-    res = {
-        "ms": ms, "peak_gib": mem, "tflops_single_sweep": pairs(S) * 2 * H * D / ms / 1e9,
-        "passes_mean": float(passes.mean()), "passes_max": int(passes.max()),
-        "deferred_row_frac": float(tk.LAST_LAUNCH["deferred"].sum()) / S,
-        "cfg": {k: v for k, v in tk.LAST_LAUNCH.items() if k not in ("passes", "deferred")}, **stats,
-    }
-    res["tflops_executed"] = res["tflops_single_sweep"] * (1 + res["passes_mean"])
-    if check and S <= torch_max:
-        ref = kpool_topk_torch(q, w, pk, P, K, chunk=256)
-        res["check"] = agreement(out, ref, q, w, pk)
-    return res
-
-
-def torch_case(S, H, D, chunk, warmup, reps):
-    q, w, pk = inputs(S, H, D)
-    run = lambda: kpool_topk_torch(q, w, pk, P, K, chunk=chunk)
+def run_impl(fn, S, H, D, dev: Dev, warmup, reps) -> tuple[dict, torch.Tensor | None]:
+    """Time one implementation: {ms, peak_gib, floor ratio, ...} or {"oom": True}; plus its output."""
     try:
-        mem = peak_gib(run)
-        ms = timed(run, warmup, reps)
-    except torch.cuda.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return {"oom": True}
-    torch.cuda.empty_cache()
-    return {"ms": ms, "peak_gib": mem, "tflops_single_sweep": pairs(S) * 2 * H * D / ms / 1e9}
+        out, first_s, peak = dev.first_call(fn)
+        ms, n = dev.time_ms(fn, first_s, warmup, reps)
+    except torch.cuda.OutOfMemoryError as e:
+        dev.free()
+        return {"oom": True, "error": str(e).split("\n")[0][:200]}, None
+    fl = floor_ms(S, H, D)
+    res = {"ms": ms, "reps": n, "first_call_s": first_s, "peak_gib": peak, "floor_ms": fl, "x_floor": ms / fl,
+           "tflops_single_sweep": pairs(S) * 2 * H * D / ms / 1e9}
+    return res, out
+
+
+def kernel_case(S, H, D, K, dev, warmup, reps, cfg=None):
+    q, w, pk = inputs(S, H, D, dev)
+    res, out = run_impl(lambda: tk.kpool_topk_triton(q, w, pk, P, K, cfg=cfg), S, H, D, dev, warmup, reps)
+    if out is None:
+        return res, None, None
+    passes = tk.LAST_LAUNCH["passes"].float()
+    res.update(passes_mean=float(passes.mean()), passes_max=int(passes.max()),
+               deferred_row_frac=float(tk.LAST_LAUNCH["deferred"].sum()) / S,
+               n_regs=tk.LAST_LAUNCH.get("n_regs"), n_spills=tk.LAST_LAUNCH.get("n_spills"),
+               cfg={k: v for k, v in tk.LAST_LAUNCH.items() if k not in ("passes", "deferred", "n_regs", "n_spills")})
+    res["tflops_executed"] = res["tflops_single_sweep"] * (1 + res["passes_mean"])
+    return res, out, (q, w, pk)
+
+
+def torch_case(S, H, D, K, chunk, dev, warmup, reps):
+    q, w, pk = inputs(S, H, D, dev)
+    res, out = run_impl(lambda: kpool_topk_torch(q, w, pk, P, K, chunk=chunk), S, H, D, dev, warmup, reps)
+    dev.free()
+    return res, out
 
 
 SWEEP = [
@@ -124,49 +174,113 @@ SWEEP = [
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--quick", action="store_true", help="S in {32k, 128k}, 16x64 only, fewer reps")
+    ap.add_argument("--quick", action="store_true", help="S in {32k, 128k}, fewer reps")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU, the kernel interpreted")
     ap.add_argument("--seqlens", default="8192,32768,131072,524288,1048576")
-    ap.add_argument("--heads", default="16x64,32x128")
+    ap.add_argument("--heads", default="16x64", help="HxD list; 16x64 is h200-ref's indexer, 32x128 the large one")
+    ap.add_argument("--topk", type=int, default=2048, help="tokens kept per query (pools of 4)")
     ap.add_argument("--torch-max", type=int, default=131072, help="largest S for the chunked torch twin")
+    ap.add_argument("--unchunked-max", type=int, default=131072, help="largest S to try the unchunked twin at")
+    ap.add_argument("--budget-s", type=float, default=120.0, help="skip cases projected to end after this")
     ap.add_argument("--sweep", action="store_true", help="kernel configs at S=32k and 128k (16x64)")
     args = ap.parse_args()
 
-    seqlens = [32768, 131072] if args.quick else [int(s) for s in args.seqlens.split(",")]
-    heads = [(16, 64)] if args.quick else [tuple(int(v) for v in h.split("x")) for h in args.heads.split(",")]
-    warmup, reps = (1, 3) if args.quick else (2, 5)
+    dev = Dev(args.cpu_smoke)
+    if args.cpu_smoke:
+        seqlens, heads, K, warmup, reps = [48, 101], [(4, 16)], 4, 0, 1
+        args.torch_max = args.unchunked_max = 1 << 30
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("bench/indexer.py needs a CUDA GPU (or --cpu-smoke)")
+        seqlens = [32768, 131072] if args.quick else [int(s) for s in args.seqlens.split(",")]
+        heads = [tuple(int(v) for v in h.split("x")) for h in args.heads.split(",")]
+        K = args.topk // P
+        warmup, reps = (1, 3) if args.quick else (1, 5)
+    t_start = time.perf_counter()
     results = {
-        "when": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "problem": {"pool": P, "k_pools": K, "dtype": "bf16 q/pk, fp32 w"},
+        "gpu": "cpu (TRITON_INTERPRET=1 smoke)" if dev.cpu else torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "command": " ".join([sys.executable] + sys.argv),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "problem": {"pool": P, "k_pools": K, "topk_tokens": K * P, "dtype": "bf16 q/pk, fp32 w", "batch": 1},
+        "floor_note": f"scoring matmul 2*H*D*S*(S/P)/2 flops at {MMA_PEAK:.0f} flop/s; x_floor = ms / floor_ms",
+        "timing_note": "median of reps after a warm first call (1 rep when a call takes > 2 s); peak_gib above "
+                       "the inputs, from the first call",
         "cases": [],
     }
+
+    def over_budget(last: dict | None, last_S: int, S: int, calls: int) -> str | None:
+        """Projected end past the budget: the reason, else None."""
+        if last is None or "ms" not in last:
+            return None
+        one = last["ms"] / 1e3 * (S / last_S) ** 2
+        proj = one * (2 if one > 2.0 else calls)  # slow calls get one timed rep after the first
+        end = time.perf_counter() - t_start + proj
+        if end > args.budget_s:
+            return f"skipped: projected {proj:.0f} s would end at {end:.0f} s > --budget-s {args.budget_s:.0f}"
+        return None
+
     for H, D in heads:
+        # compile the kernel first (S and NP are run-time arguments: one variant serves every S)
+        qw = inputs(min(seqlens[0], 2048), H, D, dev)
+        t0 = time.perf_counter()
+        tk.kpool_topk_triton(*qw, P, K)
+        dev.sync()
+        results.setdefault("compile_s", {})[f"{H}x{D}"] = time.perf_counter() - t0
+        del qw
         unchunked_alive = True
+        last = {"kernel": (None, 0), "torch_chunk256": (None, 0), "torch_unchunked": (None, 0)}
         for S in seqlens:
-            case = {"S": S, "H": H, "D": D, "pairs": pairs(S)}
-            case["kernel"] = kernel_case(S, H, D, warmup, reps, torch_max=args.torch_max)
-            if S <= args.torch_max:
-                case["torch_chunk256"] = torch_case(S, H, D, 256, warmup, reps)
-            if unchunked_alive:
-                case["torch_unchunked"] = torch_case(S, H, D, None, warmup, reps)
+            case = {"S": S, "H": H, "D": D, "pairs": pairs(S), "floor_ms": floor_ms(S, H, D)}
+            skip = over_budget(*last["kernel"], S, 1 + reps)
+            kout = kin = None
+            if skip:
+                case["kernel"] = skip
+            else:
+                case["kernel"], kout, kin = kernel_case(S, H, D, K, dev, warmup, reps)
+                last["kernel"] = (case["kernel"], S)
+            if S > args.torch_max:
+                case["torch_chunk256"] = f"skipped: S > --torch-max {args.torch_max}"
+            elif skip := over_budget(*last["torch_chunk256"], S, 1 + reps):
+                case["torch_chunk256"] = skip
+            else:
+                case["torch_chunk256"], tout = torch_case(S, H, D, K, 256, dev, warmup, reps)
+                last["torch_chunk256"] = (case["torch_chunk256"], S)
+                if kout is not None and tout is not None:
+                    case["kernel"]["check_vs_chunked"] = agreement(kout, tout, *kin)
+                del tout
+            if not unchunked_alive:
+                case["torch_unchunked"] = "skipped: out of memory at a smaller S"
+            elif S > args.unchunked_max:
+                case["torch_unchunked"] = f"skipped: S > --unchunked-max {args.unchunked_max}"
+            elif skip := over_budget(*last["torch_unchunked"], S, 1 + reps):
+                case["torch_unchunked"] = skip
+            else:
+                case["torch_unchunked"], _ = torch_case(S, H, D, K, None, dev, warmup, reps)
+                last["torch_unchunked"] = (case["torch_unchunked"], S)
                 unchunked_alive = not case["torch_unchunked"].get("oom", False)
+            del kout, kin
+            dev.free()
+            case["elapsed_s"] = time.perf_counter() - t_start
             print(json.dumps(case), flush=True)
             results["cases"].append(case)
-    if args.sweep:
+    if args.sweep and not dev.cpu:
         results["sweep"] = []
         for S in (32768, 131072):
             for cfg in SWEEP:
                 try:
-                    r = kernel_case(S, 16, 64, warmup, reps, cfg=cfg, check=S <= 32768)
+                    r, _, _ = kernel_case(S, 16, 64, K, dev, warmup, reps, cfg=cfg)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is a result too
                     r = {"error": repr(e)[:300]}
                 r.update(S=S, override=cfg)
                 print(json.dumps(r), flush=True)
                 results["sweep"].append(r)
+    results["total_s"] = time.perf_counter() - t_start
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "indexer.json").write_text(json.dumps(results, indent=1))
-    print("wrote", out / "indexer.json")
+    path = out / ("indexer_cpu_smoke.json" if dev.cpu else "indexer.json")
+    path.write_text(json.dumps(results, indent=1))
+    print("wrote", path)
 
 
 if __name__ == "__main__":

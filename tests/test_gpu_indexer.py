@@ -4,6 +4,8 @@ random inputs identical except between pools whose scores tie to within fp32 rou
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -109,3 +111,89 @@ def test_select_pools_dispatch():
     a = select_pools(q, w, pk, 4, 20, backend="triton")
     b = select_pools(q, w, pk, 4, 20, backend="torch")
     assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------ the layer's backend switch
+def h200_indexer(seed=0):
+    """KPoolIndexer at the h200-ref shapes (16 heads x 64, pools of 4, top-2048 tokens = 512 pools,
+    tail on) in bf16 on CUDA, its default init (pool gate ones, no positional bias)."""
+    from longctx.config import preset
+    from longctx.layers.kpool_indexer import KPoolIndexer
+
+    cfg = preset("h200-ref")
+    torch.manual_seed(seed)
+    return KPoolIndexer(cfg, 3).cuda().to(torch.bfloat16), cfg
+
+
+def layer_near_tie_gap(ind, x, ql, got, ref, p0=0, pk=None) -> tuple[int, float]:
+    """Rows whose token sets differ, and the largest relative |score - k-th score| over the pools
+    only one backend picked (scores from the layer's own fp32 pool_scores)."""
+    P = ind.pool
+    rows = (got != ref).any(-1).nonzero().tolist()
+    if pk is None:
+        k, gate = ind.key_rows(x)
+        n = x.shape[1] // P * P
+        pk = ind.pool_keys(k[:, :n], gate[:, :n])
+    worst = 0.0
+    for b, t in rows[:200]:
+        sc = ind.pool_scores(ql[b : b + 1, t : t + 1], x[b : b + 1, t : t + 1], pk[b : b + 1])[0, 0].double()
+        a = {v // P for v in got[b, t].tolist() if v >= 0 and (v // P + 1) * P - 1 <= p0 + t}
+        c = {v // P for v in ref[b, t].tolist() if v >= 0 and (v // P + 1) * P - 1 <= p0 + t}
+        kth, scale = sc[sorted(c)].min(), sc.abs().max().clamp_min(1e-30)
+        for p in a ^ c:
+            worst = max(worst, float((sc[p] - kth).abs() / scale))
+    return len(rows), worst
+
+
+@pytest.mark.parametrize("B,S", [(2, 2500), (1, 8192), (1, 32765)])
+@torch.no_grad()
+def test_layer_triton_backend_matches_torch(B, S):
+    """KPoolIndexer.select, backend triton (one fused launch) vs torch (chunks of 256, topk): the
+    same token sets per query (ascending rows, so tensor equality), up to pools whose scores tie
+    within fp32 rounding (random bf16 inputs: exact ties do not occur at the k-th score)."""
+    ind, cfg = h200_indexer()
+    g = torch.Generator(device="cuda").manual_seed(S)
+    x = torch.randn(B, S, cfg.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+    ql = torch.randn(B, S, cfg.q_lora_rank, device="cuda", generator=g).to(torch.bfloat16)
+    ind.backend = "triton"
+    got = ind.select(x, ql)
+    assert ind.last_impl == "indexer:triton-fused"
+    ind.backend = "torch"
+    ref = ind.select(x, ql)
+    assert ind.last_impl == "indexer:torch-chunked"
+    assert got.shape == ref.shape == (B, S, ind.width) and got.dtype == torch.int32
+    n_rows, gap = layer_near_tie_gap(ind, x, ql, got, ref)
+    assert n_rows <= max(2, B * S // 1000), (n_rows, gap)
+    assert gap < 1e-5, (n_rows, gap)
+    ind.backend = "auto"  # on CUDA: the kernel, without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(ind.select(x[:, :600], ql[:, :600]), got[:, :600])
+    assert ind.last_impl == "indexer:triton-fused"
+
+
+@torch.no_grad()
+def test_layer_triton_backend_decoding():
+    """With an IndexerCache: a 6001-token prefill, then 1-, 7- and 1-token steps (query offsets
+    p0 > 0), each backend with its own cache; then the triton picks equal the whole-sequence call's
+    (its tie-break does not depend on the row length)."""
+    from longctx.layers.kpool_indexer import IndexerCache
+
+    ind, cfg = h200_indexer(seed=1)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    S = 6010
+    x = torch.randn(1, S, cfg.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+    ql = torch.randn(1, S, cfg.q_lora_rank, device="cuda", generator=g).to(torch.bfloat16)
+    caches = {"triton": IndexerCache(), "torch": IndexerCache()}
+    outs = {"triton": [], "torch": []}
+    for a, b in [(0, 6001), (6001, 6002), (6002, 6009), (6009, 6010)]:
+        for backend in ("triton", "torch"):
+            ind.backend = backend
+            outs[backend].append(ind.select(x[:, a:b], ql[:, a:b], cache=caches[backend]))
+    got, ref = torch.cat(outs["triton"], 1), torch.cat(outs["torch"], 1)
+    n_rows, gap = layer_near_tie_gap(ind, x, ql, got, ref)
+    assert n_rows <= 6 and gap < 1e-5, (n_rows, gap)
+    ind.backend = "triton"
+    full = ind.select(x, ql)
+    n_rows, gap = layer_near_tie_gap(ind, x, ql, got, full)
+    assert n_rows <= 6 and gap < 1e-5, (n_rows, gap)

@@ -13,6 +13,7 @@ negative weights, -0.0) are frequent, which is what the lower-pool-id tie-break 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -69,8 +70,85 @@ CASES = [
 ]
 
 
+def layer_problem(B, S, heads, head_dim, topk, pool, seed):
+    """A KPoolIndexer with random weights (no exact score ties: every head's ReLU rarely vanishes
+    together) and random x, q_latent [B, S, ...] for it."""
+    from longctx.config import preset
+    from longctx.layers.kpool_indexer import KPoolIndexer
+
+    cfg = preset("tiny").replace(index_heads=heads, index_head_dim=head_dim, index_topk=topk, index_pool=pool,
+                                 index_tail=True)
+    torch.manual_seed(seed)
+    ind = KPoolIndexer(cfg, 0)
+    with torch.no_grad():
+        for p in ind.parameters():
+            p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]))
+    return ind, torch.randn(B, S, cfg.hidden_size), torch.randn(B, S, cfg.q_lora_rank)
+
+
+def kth_gap(ind, x, ql) -> float:
+    """Smallest relative gap between a query's k-th and (k+1)-th best selectable pool score (fp64 of
+    the layer's fp32 scores); inf when no query has more pools than it keeps. A gap near fp32
+    rounding would let the backends' summation orders pick differently."""
+    P, K = ind.pool, ind.topk // ind.pool
+    S = x.shape[1]
+    with torch.no_grad():
+        k, gate = ind.key_rows(x)
+        pk = ind.pool_keys(k[:, : S // P * P], gate[:, : S // P * P])
+        score = ind.pool_scores(ql, x, pk).double()
+    gap = math.inf
+    for t in range(S):
+        n = (t + 1) // P
+        if n > K:
+            row = score[:, t, :n].sort(-1, descending=True).values
+            rel = (row[:, K - 1] - row[:, K]).abs() / row.abs().amax(-1).clamp_min(1e-30)
+            gap = min(gap, float(rel.min()))
+    return gap
+
+
+def _run_layer_cases() -> None:
+    """The layer's select with backend triton (the kernel, interpreted) against backend torch."""
+    from longctx.layers.kpool_indexer import IndexerCache
+
+    # whole sequences (the kernel's default tiles): S=101 is four query blocks of 32 (8 heads), the
+    # last one ragged, and 25 pools (a partial pool tile of 64); topk 16 in pools of 4 = 4 pools per
+    # query, tail on. (The interpreter needs ~1 s per program, mostly the deferred rows' sort.)
+    ind, x, ql = layer_problem(2, 101, 8, 16, 16, 4, seed=3)
+    ind.backend = "triton"
+    got = ind.select(x, ql)
+    impl = ind.last_impl
+    ind.backend = "torch"
+    ref_chunked = ind.select(x, ql, chunk=7)
+    ref_unchunked = ind.select(x, ql, chunk=None)
+    print("RESULT " + json.dumps({"name": "layer_full", "impl": impl, "gap": kth_gap(ind, x, ql),
+                                  "equal": bool(torch.equal(got, ref_chunked) and torch.equal(got, ref_unchunked)),
+                                  "n_bad_rows": int((got != ref_chunked).any(-1).sum())}), flush=True)
+
+    # decoding: a ragged prefill, then steps of 1..13 tokens crossing pool boundaries (query offset
+    # p0 not a multiple of the pool or of the tiles), each backend with its own cache
+    ind, x, ql = layer_problem(1, 83, 8, 16, 20, 4, seed=4)
+    caches = {"triton": IndexerCache(), "torch": IndexerCache()}
+    bounds = [0, 45, 46, 47, 52, 65, 66, 83]
+    equal, impls, n_bad = True, set(), 0
+    for a, b in itertools.pairwise(bounds):
+        outs = {}
+        for backend in ("triton", "torch"):
+            ind.backend = backend
+            outs[backend] = ind.select(x[:, a:b], ql[:, a:b], cache=caches[backend])
+            impls.add(ind.last_impl)
+        equal &= torch.equal(outs["triton"], outs["torch"])
+        n_bad += int((outs["triton"] != outs["torch"]).any(-1).sum())
+    ind.backend = "torch"
+    full = ind.select(x, ql)  # decoding picks the same tokens as the whole sequence at once
+    print("RESULT " + json.dumps({"name": "layer_cache", "impls": sorted(impls), "gap": kth_gap(ind, x, ql),
+                                  "equal": bool(equal), "n_bad_rows": n_bad,
+                                  "cache_len": caches["triton"].length,
+                                  "full_equal_last": bool(torch.equal(full[:, 66:], outs["triton"]))}), flush=True)
+
+
 def _run_cases() -> None:
     """Subprocess body: TRITON_INTERPRET=1 is already in the environment."""
+    _run_layer_cases()
     from longctx.ops.indexer.triton_kernel import LAST_LAUNCH, kpool_topk_triton
 
     for i, (name, B, S, H, D, P, NP, K, off, lo, dt, cfg) in enumerate(CASES):
@@ -134,6 +212,81 @@ def test_kernel_paths_exercised(interp_results):
 def test_kernel_float_inputs(interp_results):
     r = interp_results["float_random"]
     assert r["worst_gap"] < 1e-5, r
+
+
+def test_layer_triton_backend_matches_torch(interp_results):
+    """KPoolIndexer.select with backend triton (the fused kernel) == backend torch, chunked and not."""
+    r = interp_results["layer_full"]
+    assert r["gap"] > 1e-4, r  # the random setup has no (near-)tie at any k-th score
+    assert r["impl"] == "indexer:triton-fused", r
+    assert r["equal"], r
+
+
+def test_layer_triton_backend_matches_torch_decoding(interp_results):
+    """The same with an IndexerCache: query offsets p0 > 0, one-token and multi-token steps."""
+    r = interp_results["layer_cache"]
+    assert r["gap"] > 1e-4, r
+    assert r["impls"] == ["indexer:torch-chunked", "indexer:triton-fused"], r
+    assert r["cache_len"] == 83, r
+    assert r["equal"], r
+    assert r["full_equal_last"], r
+
+
+def test_layer_backend_switch(monkeypatch):
+    """auto on the CPU is torch; triton on the CPU without the interpreter and unknown names are
+    ConfigErrors; auto on CUDA without an importable kernel warns once and runs torch."""
+    import warnings
+
+    from longctx.errors import ConfigError
+    from longctx.layers import kpool_indexer as ki
+
+    ind, x, ql = layer_problem(1, 30, 2, 8, 8, 4, seed=0)
+    assert ind.backend == "auto"
+    ref = ind.select(x, ql)
+    assert ind.last_impl == "indexer:torch-chunked"
+    assert torch.equal(ind.select(x, ql, chunk=None), ref) and ind.last_impl == "indexer:torch-unchunked"
+    ind.backend = "torch"
+    assert torch.equal(ind.select(x, ql), ref) and ind.last_impl == "indexer:torch-chunked"
+    ind.backend = "cuda"
+    with pytest.raises(ConfigError, match="indexer backend"):
+        ind.select(x, ql)
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        ind.backend, ind.last_impl = "triton", None
+        with pytest.raises(ConfigError, match="backend 'triton' needs CUDA"):
+            ind.select(x, ql)
+        assert ind.last_impl is None
+    # no kernel importable: triton refuses, auto on CUDA warns once then runs torch, auto on CPU is silent
+    monkeypatch.setattr(ki.indexer_ops, "kpool_topk_triton", None)
+    monkeypatch.setattr(ki, "_WARNED", set())
+    ind.backend = "triton"
+    with pytest.raises(ConfigError, match="not importable"):
+        ind._pick_backend(torch.device("cpu"))
+    ind.backend = "auto"
+    with pytest.warns(RuntimeWarning, match="indexer"):
+        assert ind._pick_backend(torch.device("cuda")) == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ind._pick_backend(torch.device("cuda")) == "torch"
+        assert ind._pick_backend(torch.device("cpu")) == "torch"
+
+
+def test_model_set_backend_reaches_indexers():
+    from longctx.config import preset
+    from longctx.model import LongCtxModel
+
+    torch.manual_seed(0)
+    model = LongCtxModel(preset("tiny"))
+    indexers = [m.indexer for m in model.modules() if getattr(m, "indexer", None) is not None]
+    assert indexers and all(i.backend == "auto" for i in indexers)
+    model.set_backend("torch")
+    assert all(i.backend == "torch" for i in indexers)
+    model(torch.randint(0, 97, (1, 21)))
+    assert "indexer:torch-chunked" in model.impl_report(), model.impl_report()
+    model.set_backend("triton")
+    assert all(i.backend == "triton" for i in indexers)
+    model.set_backend("auto")
+    assert all(i.backend == "auto" for i in indexers)
 
 
 def test_kernel_rejects_unsupported():

@@ -4,14 +4,28 @@ Each query scores *pools* of P consecutive tokens instead of single tokens, keep
 topk/P pools, and expands them back into token indices (plus, optionally, the tokens of its own
 incomplete pool, the "tail"). For a query t < topk that is exactly dense causal attention.
 
-Memory: pooled keys are built once for the whole sequence (O(S)); queries are scored and selected a
-block at a time, so the score workspace is O(chunk * S/P), never [S, S/P].
+Memory: pooled keys are built once for the whole sequence (O(S)); the torch backend scores and
+selects a block of queries at a time, so its score workspace is O(chunk * S/P), never [S, S/P];
+the fused kernel keeps no scores at all (its output, [S, topk/P] pool ids, is the workspace).
 
-Exact ties (e.g. pools whose ReLU scores are all 0) are resolved by torch.topk itself, fed the
-same fp32 row the reference builds: one entry per complete pool of the sequence, unselectable
-pools at the fp32 minimum. Equal rows give equal picks, so chunked, unchunked and transformers'
-selection agree even on ties (a decode step's row is shorter, so only there an exact tie may
-resolve differently).
+Backends (`backend`, set by `LongCtxModel.set_backend`): "torch" scores `chunk` queries per pass
+in fp32 and keeps the best pools with torch.topk; "triton" is the fused kernel of
+`longctx.ops.indexer` (score + top-k in one launch over the whole sequence, no [S, S/P] scores);
+"auto" (the default) is the kernel on CUDA and torch on the CPU. A CUDA run that cannot import the
+kernel says so once (RuntimeWarning) and runs torch; "triton" on CPU tensors without
+TRITON_INTERPRET=1 is a ConfigError, never a silent fallback. `last_impl` names what ran.
+
+Both backends select the same pools, except where scores tie at a query's k-th score:
+- torch: ties are resolved by torch.topk itself, fed the same fp32 row the reference builds: one
+  entry per complete pool of the sequence, unselectable pools at the fp32 minimum. Equal rows give
+  equal picks, so chunked, unchunked and transformers' selection agree even on ties (a decode
+  step's row is shorter, so only there an exact tie may resolve differently). The CPU default, and
+  what the transformers-equivalence tests run.
+- triton: the lower pool id wins, whatever the row length. Its scores are the same function
+  summed in another order (fp32 accumulation of the products in the kernel's dtype), so pools
+  whose scores tie to within fp32 rounding may also swap. The kernel runs in q's dtype (the
+  autocast dtype under autocast, where the torch path's matmuls round their inputs, and their
+  outputs, to it too); the pooled keys are cast to it.
 
 No LM gradient reaches the indexer (selection runs under no_grad); its parameters learn only from
 `kl_loss`, the DeepSeek-V3.2 KL between the main attention's distribution and the indexer's.
@@ -19,12 +33,21 @@ No LM gradient reaches the indexer (selection runs under no_grad); its parameter
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import ConfigError
+from ..ops import indexer as indexer_ops
+
 _DEFAULT = object()
+BACKENDS = ("auto", "torch", "triton")
+_WARNED: set[str] = set()
+_EXPAND_ROWS = 8192  # queries per block when the kernel's pool ids are expanded into token indices
 
 
 class GrowBuffer:
@@ -90,8 +113,11 @@ class KPoolIndexer(nn.Module):
         # The reference initialises the pooling as: no positional bias, gate = per-token sum of x.
         self.pool_ape = nn.Parameter(torch.zeros(self.pool, self.head_dim))
         self.pool_gate = nn.Parameter(torch.ones(self.head_dim, cfg.hidden_size))
-        # Queries scored per pass (the memory plan's chunked-indexer switch); None = all at once.
+        # Queries scored per pass by the torch backend (the memory plan's chunked-indexer switch);
+        # None = all at once. The triton backend scores the whole sequence in one launch.
         self.chunk: int | None = 256
+        self.backend = "auto"
+        self.last_impl: str | None = None
 
     # ------------------------------------------------------------------ building blocks
     def key_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,9 +153,11 @@ class KPoolIndexer(nn.Module):
 
         x [B, T, hidden] and q_latent [B, T, q_lora] are the T newest tokens; with a cache they
         follow its `length` earlier tokens and the indices are absolute positions. chunk: queries
-        per pass (default `self.chunk`; None = all at once, the O(T * S/P) baseline).
+        per pass of the torch backend (default `self.chunk`; None = all at once, the O(T * S/P)
+        baseline); the triton backend selects for all T queries in one launch and ignores it.
         """
         chunk = self.chunk if chunk is _DEFAULT else chunk
+        impl = self._pick_backend(x.device)
         B, T = x.shape[:2]
         P = self.pool
         k, gate = self.key_rows(x)
@@ -142,14 +170,64 @@ class KPoolIndexer(nn.Module):
             pk = cache.extend(self, k, gate)
         n_pools = 0 if pk is None else pk.shape[1]
         out = torch.full((B, T, self.width), -1, dtype=torch.int32, device=x.device)
+        if impl == "triton":
+            self.last_impl = "indexer:triton-fused"
+            pools = self._kernel_pools(x, q_latent, pk, n_pools, start)  # one launch for all T queries
+            for s0 in range(0, T, _EXPAND_ROWS):
+                s1 = min(T, s0 + _EXPAND_ROWS)
+                out[:, s0:s1] = self._select_block(x[:, s0:s1], q_latent[:, s0:s1], pk, n_pools, start + s0,
+                                                   pools=None if pools is None else pools[:, s0:s1])
+            return out
+        self.last_impl = "indexer:torch-unchunked" if chunk is None else "indexer:torch-chunked"
         step = T if chunk is None else chunk
         for s0 in range(0, T, step):
             s1 = min(T, s0 + step)
             out[:, s0:s1] = self._select_block(x[:, s0:s1], q_latent[:, s0:s1], pk, n_pools, start + s0)
         return out
 
-    def _select_block(self, x, q_latent, pk, n_pools: int, p0: int) -> torch.Tensor:
-        """Queries at absolute positions p0 .. p0+c-1."""
+    def _pick_backend(self, device: torch.device) -> str:
+        """'triton' or 'torch' for tensors on `device`; raises instead of falling back where asked for triton."""
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"indexer backend must be one of {', '.join(BACKENDS)} (got {self.backend!r}); "
+                              "set backend to 'auto', 'torch' or 'triton'.")
+        if self.backend == "torch":
+            return "torch"
+        kernel = indexer_ops.kpool_topk_triton
+        if self.backend == "triton":
+            if kernel is None:
+                raise ConfigError("indexer backend 'triton' needs the fused k-pool kernel, which is not importable "
+                                  "(is triton installed?); install triton or set backend to 'auto' or 'torch'.")
+            if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+                raise ConfigError(f"indexer backend 'triton' needs CUDA tensors (got {device}); set backend to 'auto' "
+                                  "or 'torch' on the CPU, or run with TRITON_INTERPRET=1 set before triton is imported.")
+            return "triton"
+        if device.type == "cuda":
+            if kernel is not None:
+                return "triton"
+            if "indexer" not in _WARNED:
+                _WARNED.add("indexer")
+                warnings.warn("The k-pool indexer runs the plain-torch selection on CUDA because the Triton kernel is "
+                              "not importable (slower, O(chunk * S/P) fp32 scores); install triton or set backend=torch "
+                              "to accept it.", RuntimeWarning, stacklevel=3)
+        return "torch"
+
+    def _kernel_pools(self, x, q_latent, pk, n_pools: int, p0: int) -> torch.Tensor | None:
+        """int32 [B, T, k_sel] pool ids from the fused kernel (ascending, -1 padded); None without pools.
+
+        Same scores as `pool_scores` with D^-1/2 moved from the dot products into w (ReLU commutes
+        with a positive factor). Shapes or dtypes the kernel cannot take raise its ValueError."""
+        k_sel = min(self.topk // self.pool, n_pools)
+        if k_sel == 0:
+            return None
+        B, T = x.shape[:2]
+        q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        return indexer_ops.select_pools(q, w, pk.to(q.dtype), self.pool, k_sel, backend="triton", chunk=None,
+                                        q_offset=p0)
+
+    def _select_block(self, x, q_latent, pk, n_pools: int, p0: int, pools: torch.Tensor | None = None) -> torch.Tensor:
+        """Queries at absolute positions p0 .. p0+c-1. `pools`: their pool ids from the kernel (int32,
+        ascending, -1 padded); without them the block is scored and selected here in torch."""
         B, c = x.shape[:2]
         P = self.pool
         pos = torch.arange(p0, p0 + c, device=x.device)
@@ -157,13 +235,17 @@ class KPoolIndexer(nn.Module):
         tokens = torch.full((B, c, self.width), -1, dtype=torch.int64, device=x.device)
         n_valid = torch.zeros(B, c, dtype=torch.int64, device=x.device)
         if k_sel > 0:
-            score = self.pool_scores(q_latent, x, pk)  # [B, c, n_pools]
-            ends = torch.arange(n_pools, device=x.device) * P + (P - 1)
-            valid = (ends[None, :] <= pos[:, None]).expand(B, c, n_pools)
-            top = score.masked_fill(~valid, torch.finfo(score.dtype).min).topk(k_sel, dim=-1, sorted=False).indices
-            ok = valid.gather(-1, top)
-            pools = torch.where(ok, top, n_pools).sort(dim=-1).values  # ascending, unselectable last
-            ok = pools < n_pools
+            if pools is None:
+                score = self.pool_scores(q_latent, x, pk)  # [B, c, n_pools]
+                ends = torch.arange(n_pools, device=x.device) * P + (P - 1)
+                valid = (ends[None, :] <= pos[:, None]).expand(B, c, n_pools)
+                top = score.masked_fill(~valid, torch.finfo(score.dtype).min).topk(k_sel, dim=-1, sorted=False).indices
+                ok = valid.gather(-1, top)
+                pools = torch.where(ok, top, n_pools).sort(dim=-1).values  # ascending, unselectable last
+                ok = pools < n_pools
+            else:
+                ok = pools >= 0
+                pools = pools.long()
             offs = torch.arange(P, device=x.device)
             expanded = torch.where(ok[..., None], pools[..., None] * P + offs, -1).flatten(-2)
             tokens[..., : expanded.shape[-1]] = expanded

@@ -3,19 +3,18 @@
 `select_pools` is the integration point for `KPoolIndexer`: it replaces the score + mask + topk of
 one block of queries and returns pool ids; token expansion and the tail stay in the layer.
 
-NOT YET WIRED (the kernel has only run under the CPU interpreter). To wire it, in
-`KPoolIndexer._select_block` replace the lines from `score = self.pool_scores(...)` through
-`ok = pools < n_pools` with:
+Wired into `KPoolIndexer` (longctx/layers/kpool_indexer.py) behind its `backend` switch
+(auto | torch | triton; auto = this kernel on CUDA): `KPoolIndexer._kernel_pools` calls
 
-    q = self.wq_b(q_latent).view(B, c, self.n_heads, self.head_dim)          # unscaled, model dtype
+    q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)          # unscaled, model dtype
     w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
-    pools = select_pools(q, w, pk, P, k_sel, backend=..., chunk=None, q_offset=p0)
-    ok = pools >= 0
-    pools = pools.long()
+    pools = select_pools(q, w, pk.to(q.dtype), P, k_sel, backend="triton", chunk=None, q_offset=p0)
+
+once for all T queries, and `_select_block` expands the pools (`pools >= 0`) into tokens + tail.
 
 Ties: `select_pools` gives them to the lower pool id; `torch.topk` (and so transformers' indexer)
-may not, so keep the torch path for the transformers-equivalence tests or sort references by
-(-score, pool). With the triton backend one call can cover the whole sequence instead of per chunk.
+may not, so the transformers-equivalence tests run the torch path (the CPU default), and
+references compared against the kernel sort by (-score, pool).
 """
 
 from __future__ import annotations
