@@ -26,6 +26,7 @@ from .layers.mlp import DenseMLP
 from .layers.moe import MoE
 from .layers.norms import RMSNorm
 from .layers.residual import build_residuals
+from .ops.fused_loss import LIGER_ROWS_PER_CALL, liger_token_losses, resolve_loss_impl
 
 
 @dataclass
@@ -79,6 +80,10 @@ class LongCtxModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         # Chunked LM head + loss (a memory switch): rows of hidden per chunk; None = one shot.
         self.loss_chunk: int | None = 4096
+        # LM head + loss implementation: "auto" | "torch" | "liger" (longctx.ops.fused_loss); `last_impl`
+        # says which ran in the last loss (impl_report shows it next to the layers').
+        self.loss_impl: str = "auto"
+        self.last_impl: str | None = None
         self.block_fn = None  # set by longctx.memory to wrap blocks (recompute / offload)
         self.init_weights()
 
@@ -131,8 +136,22 @@ class LongCtxModel(nn.Module):
         return out
 
     def chunked_token_losses(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token cross entropy [B, S] (0 where label == -100), the head applied `loss_chunk` rows
-        at a time under checkpoint, so [S, vocab] logits never exist at once."""
+        """Per-token cross entropy [B, S] fp32 (0 where label == -100).
+
+        loss_impl "torch": the head applied `loss_chunk` rows at a time under checkpoint, so [S, vocab]
+        logits never exist at once (loss_chunk None: one shot, logits materialised).
+        loss_impl "liger": liger-kernel's fused linear + cross entropy with reduction="none" (per-token
+        losses and a correct per-token backward in liger 0.8.5), LIGER_ROWS_PER_CALL rows per call and
+        liger's own chunking inside; `loss_chunk` does not apply. Raises ConfigError when it cannot run.
+        loss_impl "auto": liger on CUDA when liger imports and loss_chunk is on, torch otherwise (on CUDA
+        without liger it warns once). See longctx.ops.fused_loss.
+        """
+        if resolve_loss_impl(self.loss_impl, h, chunked=bool(self.loss_chunk)) == "liger":
+            B, S, D = h.shape
+            self.last_impl = "loss:liger-flce"
+            return liger_token_losses(h.reshape(-1, D), self.lm_head.weight, labels.reshape(-1),
+                                      rows_per_call=LIGER_ROWS_PER_CALL).view(B, S)
+        self.last_impl = "loss:torch-chunked" if self.loss_chunk else "loss:torch"
         B, S, D = h.shape
         flat_h, flat_y = h.reshape(-1, D), labels.reshape(-1)
         step = self.loss_chunk or flat_h.shape[0]
@@ -185,9 +204,31 @@ class LongCtxModel(nn.Module):
         return ", ".join(f"{k} x{v}" for k, v in sorted(c.items()))
 
     def set_backend(self, backend: str):
+        """auto | torch | triton for every kernel switch: KDA, DSA attention and the k-pool indexers
+        ('fla', the KDA's name for its Triton kernels, sets the indexers to 'triton')."""
         for m in self.modules():
             if isinstance(m, (KimiDeltaAttention, SparseMLA)):
                 m.backend = backend
+            if isinstance(m, SparseMLA) and m.indexer is not None:
+                m.indexer.backend = "triton" if backend == "fla" else backend
+
+    def set_impls(self, loss: str | None = None, residual: str | None = None):
+        """auto | torch | liger for the LM head + loss (`loss_impl`, longctx.ops.fused_loss) and for every
+        mHC residual (`MHC.impl`, longctx.ops.mhc_liger); None leaves a switch as it is. Whether liger
+        can run is checked at the first forward (a ConfigError there)."""
+        from .errors import ConfigError
+        from .layers.residual import MHC, RESIDUAL_IMPLS
+        from .ops.fused_loss import LOSS_IMPLS
+
+        for name, v, allowed in (("loss_impl", loss, LOSS_IMPLS), ("residual_impl", residual, RESIDUAL_IMPLS)):
+            if v is not None and v not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)} (got {v!r}).")
+        if loss is not None:
+            self.loss_impl = loss
+        if residual is not None:
+            for m in self.modules():
+                if isinstance(m, MHC):
+                    m.impl = residual
 
     # ------------------------------------------------------------------ decoding
     def init_caches(self, batch: int, device=None, dtype=None) -> list:

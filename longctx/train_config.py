@@ -27,6 +27,8 @@ from .errors import ConfigError, did_you_mean
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton")
+LOSS_IMPLS = ("auto", "torch", "liger")      # = longctx.ops.fused_loss.LOSS_IMPLS (kept here: no torch import)
+RESIDUAL_IMPLS = ("auto", "torch", "liger")  # = longctx.layers.residual.RESIDUAL_IMPLS
 SCHEDULES = ("cosine", "linear", "constant")
 MAIN_SOURCE = "main"  # the name of data.path inside a stage's data_mix
 
@@ -85,7 +87,15 @@ def _demo_stages() -> list[Stage]:
 @dataclass
 class TrainConfig:
     """Everything a training run needs. The default is the CPU demo (preset small, embedded corpus,
-    1024 then 4096 tokens). `preset` names where the config started; `model` is authoritative."""
+    1024 then 4096 tokens). `preset` names where the config started; `model` is authoritative.
+
+    Implementation switches (they change how, not what, the model computes): `backend` picks the
+    KDA / DSA / indexer kernels; `loss_impl` the LM head + cross entropy (torch = chunked head under
+    checkpoint, liger = liger-kernel's fused linear + cross entropy; see longctx.ops.fused_loss);
+    `residual_impl` the mHC residual (torch, or liger-kernel's Triton mHC ops; see
+    longctx.ops.mhc_liger). "liger" needs CUDA and liger-kernel, and a run that asks for it where it
+    cannot run stops at its first step with a ConfigError; "auto" falls back to torch.
+    """
 
     model: ModelConfig | None = None  # None = the preset's model
     preset: str = "small"
@@ -102,6 +112,8 @@ class TrainConfig:
     dtype: str = "auto"     # auto = bfloat16 on CUDA, float32 on the CPU
     device: str = "auto"
     backend: str = "auto"   # auto = triton/fla kernels on CUDA, plain torch on the CPU
+    loss_impl: str = "auto"      # auto | torch | liger; auto = liger on CUDA when it imports, torch otherwise
+    residual_impl: str = "auto"  # auto | torch | liger (mHC only); auto = torch for now, liger is opt-in
     memory: dict = field(default_factory=dict)  # the memory plan; validated by the memory system
 
     def __post_init__(self):
@@ -139,6 +151,8 @@ class TrainConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         _choice("backend", self.backend, BACKENDS)
+        _choice("loss_impl", self.loss_impl, LOSS_IMPLS)
+        _choice("residual_impl", self.residual_impl, RESIDUAL_IMPLS)
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             raise ConfigError(
                 f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 256 ids; "

@@ -25,6 +25,8 @@ from longctx.train_config import (
     BACKENDS,
     DEVICES,
     DTYPES,
+    LOSS_IMPLS,
+    RESIDUAL_IMPLS,
     SCHEDULES,
     DataConfig,
     Stage,
@@ -74,6 +76,73 @@ def test_precedence_and_value_parsing(tmp_path):
     assert load_train_config(str(f), "small", ["preset=h200-ref"]).preset == "h200-ref"
 
 
+# ------------------------------------------------------------------------------ implementation switches
+# A tiny run on the CPU: the tiny model, one short stage, one held-out window.
+TINY_RUN = ["model.vocab_size=256", "stages=[{seq_len = 64, steps = 1, lr = 1e-3}]", "data.eval_windows=1",
+            "log_every=1000"]
+
+
+def test_impl_settings_default_round_trip_and_print():
+    from longctx.layers.residual import RESIDUAL_IMPLS as model_residual_impls
+    from longctx.ops.fused_loss import LOSS_IMPLS as model_loss_impls
+
+    assert LOSS_IMPLS == model_loss_impls and RESIDUAL_IMPLS == model_residual_impls
+    c = load_train_config()
+    assert c.loss_impl == "auto" and c.residual_impl == "auto"
+    c = load_train_config(None, "tiny", ["model.vocab_size=256", "loss_impl=torch", "residual_impl=liger"])
+    assert c.loss_impl == "torch" and c.residual_impl == "liger"
+    text = c.to_toml()
+    assert 'loss_impl = "torch"' in text and 'residual_impl = "liger"' in text
+    assert tomllib.loads(text)["residual_impl"] == "liger" and c.to_dict()["loss_impl"] == "torch"
+    assert TrainConfig.from_dict(json.loads(c.to_json())) == c
+    assert load_train_config(None, "tiny", ["model.vocab_size=256"]).to_dict()["residual_impl"] == "auto"
+
+
+def test_trainer_applies_impl_settings(tmp_path):
+    from longctx.layers.residual import MHC
+    from longctx.trainer import Trainer
+
+    cfg = load_train_config(None, "tiny", [*TINY_RUN, "loss_impl=torch", "residual_impl=torch"])
+    tr = Trainer(cfg, out_dir=str(tmp_path), quiet=True)
+    mhc = [m for m in tr.model.modules() if isinstance(m, MHC)]
+    assert mhc and all(m.impl == "torch" for m in mhc) and tr.model.loss_impl == "torch"
+    tr.run(stop_after=1)
+    impl = next(r for r in tr.history if "impl" in r)["impl"]
+    assert "loss:torch" in impl and "mhc:torch" in impl and "liger" not in impl, impl
+    saved = list(tmp_path.rglob("train_config.json"))  # the checkpoint keeps the settings
+    assert saved and all(json.loads(p.read_text())["loss_impl"] == "torch" for p in saved)
+    assert json.loads((tmp_path / "config.json").read_text())["residual_impl"] == "torch"
+    # set_impls leaves a switch it is not given alone, and refuses unknown names
+    tr.model.set_impls(loss="auto")
+    assert tr.model.loss_impl == "auto" and all(m.impl == "torch" for m in mhc)
+    with pytest.raises(ConfigError, match="residual_impl must be one of"):
+        tr.model.set_impls(residual="fast")
+
+
+@pytest.mark.parametrize("setting", ["loss_impl", "residual_impl"])
+def test_liger_on_the_cpu_is_a_clean_config_error(tmp_path, setting):
+    from longctx.trainer import Trainer
+
+    cfg = load_train_config(None, "tiny", [*TINY_RUN, "device=cpu", f"{setting}=liger"])
+    with pytest.raises(ConfigError) as e:
+        Trainer(cfg, out_dir=str(tmp_path), quiet=True).run(stop_after=1)
+    assert f"{setting} 'liger' needs CUDA" in str(e.value), str(e.value)
+
+
+def test_liger_on_the_cpu_exits_2_from_the_cli(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sets = [a for s in [*TINY_RUN, "device=cpu", "residual_impl=liger"] for a in ("--set", s)]
+    r = subprocess.run([sys.executable, "-m", "longctx", "train", "--preset", "tiny", *sets, "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=repo), timeout=300,
+                       check=False)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1].startswith("error: residual_impl"), r.stderr
+
+
 # ------------------------------------------------------------------------------ each kind of bad input
 BAD_SETS = [
     (["modle.hidden_size=3"], "unknown setting modle"),
@@ -100,6 +169,8 @@ BAD_SETS = [
     (["dtype=bf16"], "did you mean bfloat16"),
     (["device=gpu"], "device must be one of"),
     (["backend=fla"], "backend must be one of"),
+    (["loss_impl=fused"], "loss_impl must be one of auto, torch, liger (got 'fused')"),
+    (["residual_impl=ligr"], "residual_impl must be one of auto, torch, liger (got 'ligr'); did you mean liger"),
     (["betas=[0.9]"], "betas"),
     (["grad_clip=-1"], "grad_clip"),
     (["data.eval_docs=-2"], "data.eval_docs"),
@@ -171,7 +242,8 @@ POSITIVE = [("model", n) for n in ("vocab_size", "hidden_size", "num_layers", "k
     [("stage", "seq_len"), ("stage", "steps"), ("stage", "batch_size"), ("", "log_every")]
 NON_NEGATIVE = [("stage", "warmup"), ("", "seed"), ("", "eval_every"), ("", "ckpt_every"),
                 ("data", "eval_docs"), ("data", "eval_windows"), ("model", "n_shared_experts")]
-ENUMS = [("", "dtype", DTYPES), ("", "device", DEVICES), ("", "backend", BACKENDS), ("stage", "schedule", SCHEDULES),
+ENUMS = [("", "dtype", DTYPES), ("", "device", DEVICES), ("", "backend", BACKENDS), ("", "loss_impl", LOSS_IMPLS),
+         ("", "residual_impl", RESIDUAL_IMPLS), ("stage", "schedule", SCHEDULES),
          ("model", "residual", ("mhc", "attnres", "plain")), ("model", "balancer", ("quantile", "sign", "aux", "none"))]
 KNOWN = {name for _, name, _ in TYPED} | {"model", "data", "stages", "preset", "memory", "betas", "sources", "data_mix"}
 

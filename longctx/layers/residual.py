@@ -14,6 +14,9 @@ per layer, so its size is the memory story: mHC's state is 4 streams wide, plain
   coefficients come from an fp32 projection of the RMS-normalised flattened streams. That fp32
   copy of the input is what autograd would save; `recompute_cast=True` (default) checkpoints the
   small projection so backward recasts it from the bf16 streams instead (seed 000: 8 GiB at 512k).
+  `impl` (residual_impl) "auto" | "torch" | "liger": liger-kernel's Triton mHC ops compute the same
+  thing (longctx.ops.mhc_liger says how the two map, and where the precision differs); auto takes
+  them on CUDA when liger imports and `recompute_cast` is on (the baseline plan stays plain torch).
 - Block Attention Residuals (Kimi, arXiv 2603.15031): state = (completed block sums, partial sum
   of the current block). Each sub-layer's input is a softmax-weighted sum of the sources, weighted
   by a zero-initialised pseudo-query against RMS-normalised sources.
@@ -28,6 +31,21 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from ..errors import ConfigError
+from ..ops import mhc_liger
+
+RESIDUAL_IMPLS = ("auto", "torch", "liger")
+AUTO_USES_LIGER = False
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    """A fallback on the GPU is never silent: say it once per process (`last_impl` shows it too)."""
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        import warnings
+
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,6 +69,41 @@ class MHC(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
         self.recompute_cast = True
+        self.impl = "auto"  # residual_impl: "auto" | "torch" | "liger" (longctx.ops.mhc_liger)
+        self.last_impl: str | None = None
+
+    def pick_impl(self, streams: torch.Tensor) -> str:
+        """"torch" or "liger" for `self.impl` on these streams; ConfigError when liger is asked for and cannot run."""
+        if self.impl not in RESIDUAL_IMPLS:
+            raise ConfigError(f"residual_impl must be one of {', '.join(RESIDUAL_IMPLS)} (got {self.impl!r}).")
+        if self.impl == "torch":
+            return "torch"
+        if self.impl == "liger":
+            if not streams.is_cuda or not mhc_liger.liger_mhc_available():
+                err = mhc_liger.import_error()
+                raise ConfigError(
+                    f"residual_impl 'liger' needs CUDA tensors and liger-kernel >= {mhc_liger.LIGER_MIN_VERSION} "
+                    f"(streams on {streams.device}, liger {'importable' if err is None else 'not importable: ' + err}); "
+                    "install liger-kernel==0.8.5 (`pip install -e .[gpu]`) or set residual_impl to 'auto' or 'torch'.")
+            if not mhc_liger.streams_supported(self.n):
+                raise ConfigError(f"residual_impl 'liger' takes model.hc_streams a power of two <= "
+                                  f"{mhc_liger.MAX_STREAMS} (got {self.n}); set residual_impl to 'torch' or 'auto'.")
+            return "liger"
+        # auto stays on torch: on the H200 liger's ops match ours (out 3.3e-3, d_streams 3.9e-3 rel-RMS, bench/mhc.py)
+        # but a whole bf16 model's gradients differ by 5.5% rel-RMS from the torch path (tests/test_gpu_mhc.py), which
+        # is not yet explained; liger stays opt-in (residual_impl = liger) until it is.
+        if not streams.is_cuda or not self.recompute_cast or not AUTO_USES_LIGER:
+            return "torch"
+        if not mhc_liger.liger_mhc_available():
+            _warn_once(f"mHC runs the plain-torch path on CUDA because liger-kernel is not importable "
+                       f"({mhc_liger.import_error()}); install liger-kernel==0.8.5 (`pip install -e .[gpu]`) or set "
+                       "residual_impl = 'torch' to accept it.")
+            return "torch"
+        if not mhc_liger.streams_supported(self.n):
+            _warn_once(f"mHC runs the plain-torch path on CUDA: liger's kernels take a power-of-two hc_streams <= "
+                       f"{mhc_liger.MAX_STREAMS}, not {self.n}; set residual_impl = 'torch' to accept it.")
+            return "torch"
+        return "liger"
 
     def coefficients(self, streams: torch.Tensor):
         n = self.n
@@ -72,12 +125,20 @@ class MHC(nn.Module):
         return pre, post, comb
 
     def enter(self, streams: torch.Tensor):
+        if self.pick_impl(streams) == "liger":
+            self.last_impl = "mhc:liger"
+            pre, post, comb = mhc_liger.liger_mhc_coefficients(streams, self.fn, self.base, self.scale, iters=self.iters,
+                                                               hc_eps=self.hc_eps, norm_eps=self.norm_eps)
+            return mhc_liger.liger_mhc_pre(streams, pre), (post, comb, "liger")
+        self.last_impl = "mhc:torch"
         pre, post, comb = self.coefficients(streams)
         x = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
-        return x, (post, comb)
+        return x, (post, comb, "torch")
 
     def exit(self, streams: torch.Tensor, ctx, y: torch.Tensor) -> torch.Tensor:
-        post, comb = ctx
+        post, comb, impl = ctx
+        if impl == "liger":
+            return mhc_liger.liger_mhc_post_res(streams, y, post, comb)
         dt = streams.dtype
         # out[i] = post[i] * y + sum_j comb[j, i] * streams[j]
         return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)

@@ -1,0 +1,172 @@
+"""Benchmark: one mHC connection (enter + exit), fwd+bwd, our torch mHC vs liger's mHC ops.
+
+    python bench/mhc.py --out DIR [--quick] [--tokens 65536,262144]
+    python bench/mhc.py --cpu-smoke --out DIR     # the torch side at tiny sizes on the CPU
+
+h200-ref width: streams [1, S, 4, 1536] bf16, fp32 fn/base/scale, 20 Sinkhorn rounds. One step =
+x, ctx = enter(streams); y = x * gain + noise (a stand-in sub-layer); out = exit(streams, ctx, y);
+backward of (out * dout).sum() into the streams, the noise and the parameters. Implementations:
+  torch            residual_impl "torch", recompute_cast on (the memory plan's default)
+  torch_keep_cast  residual_impl "torch", recompute_cast off (the fp32 copy saved)
+  liger            residual_impl "liger" (longctx.ops.mhc_liger)
+Per case: median ms of fwd+bwd (CUDA events, after warm-up), the peak allocated above the inputs
+during one step, and liger's relative RMS difference from torch on out and d_streams.
+Writes DIR/mhc.json (DIR/mhc_cpu_smoke.json for --cpu-smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from timing import timed
+
+from longctx.config import preset
+from longctx.layers.residual import MHC
+from longctx.ops import mhc_liger
+
+GIB = 1 << 30
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def setup(cfg, S: int, device):
+    torch.manual_seed(0)
+    mhc = MHC(cfg).to(device)
+    with torch.no_grad():
+        mhc.base.normal_(0.0, 0.5)
+    n, D = cfg.hc_streams, cfg.hidden_size
+    g = torch.Generator(device=device).manual_seed(1)
+    streams = torch.randn(1, S, n, D, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    gain = (torch.randn(D, device=device, generator=g) * 0.5).to(torch.bfloat16)
+    noise = torch.randn(1, S, D, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    dout = torch.randn(1, S, n, D, device=device, generator=g).to(torch.bfloat16)
+    return mhc, streams, gain, noise, dout
+
+
+def make_step(impl: str, mhc: MHC, streams, gain, noise, dout):
+    mhc.impl = "liger" if impl == "liger" else "torch"
+    mhc.recompute_cast = impl != "torch_keep_cast"
+
+    def step():
+        streams.grad = noise.grad = None
+        mhc.zero_grad(set_to_none=True)
+        x, ctx = mhc.enter(streams)
+        out = mhc.exit(streams, ctx, x * gain + noise)
+        out.backward(dout)
+        return out.detach()
+
+    return step
+
+
+def run_gpu(args) -> dict:
+    import triton
+
+    if not mhc_liger.liger_mhc_available():
+        raise SystemExit(f"liger-kernel's mHC ops are not importable here ({mhc_liger.import_error()}); put "
+                         "liger-kernel 0.8.5 on PYTHONPATH (pip install --no-deps --target /tmp/site liger_kernel-0.8.5-*.whl).")
+    cfg = preset("h200-ref")
+    tokens = [65536] if args.quick else [int(s) for s in args.tokens.split(",")]
+    impls = args.impls.split(",")
+    warmup, reps = (1, 3) if args.quick else (2, 5)
+    res = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "liger_kernel": mhc_liger.liger_version(),
+        "command": " ".join([sys.executable] + sys.argv),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "streams": cfg.hc_streams, "hidden": cfg.hidden_size, "sinkhorn_iters": cfg.hc_sinkhorn_iters,
+        "notes": "peak_extra_gib = max allocated during one fwd+bwd minus allocated before it (streams, noise, dout, "
+                 "parameters); it includes the gradients.",
+        "cases": [],
+    }
+    for S in tokens:
+        row = {"tokens": S}
+        ref = None
+        for impl in impls:
+            mhc, streams, gain, noise, dout = setup(cfg, S, "cuda")
+            step = make_step(impl, mhc, streams, gain, noise, dout)
+            try:
+                out = step()
+                torch.cuda.synchronize()
+                streams.grad = noise.grad = None
+                mhc.zero_grad(set_to_none=True)
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                step()
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() - before
+                ms = timed(step, warmup, reps)
+                r = {"fwd_bwd_ms": ms, "peak_extra_gib": peak / GIB, "impl": mhc.last_impl,
+                     "gbytes_per_s_streams_rw": 4 * streams.numel() * 2 / ms / 1e6}
+                if impl == "torch":
+                    ref = (out, streams.grad.clone())
+                elif ref is not None:
+                    r["out_rel_rms_vs_torch"] = rel_rms(out, ref[0])
+                    r["d_streams_rel_rms_vs_torch"] = rel_rms(streams.grad, ref[1])
+            except torch.cuda.OutOfMemoryError as e:
+                r = {"error": "oom: " + str(e)[:200]}
+            row[impl] = r
+            print(f"S={S} {impl}: {r}", flush=True)
+            del mhc, streams, gain, noise, dout, step
+            torch.cuda.empty_cache()
+        t = row.get("torch", {}).get("fwd_bwd_ms")
+        for impl in impls:
+            if impl != "torch" and t and "fwd_bwd_ms" in row[impl]:
+                row[impl]["speedup_vs_torch"] = t / row[impl]["fwd_bwd_ms"]
+        res["cases"].append(row)
+    return res
+
+
+def run_cpu_smoke(args) -> dict:
+    cfg = preset("tiny")
+    res = {"cpu_smoke": True, "torch": torch.__version__, "command": " ".join([sys.executable] + sys.argv),
+           "date": datetime.datetime.now().isoformat(timespec="seconds"), "cases": []}
+    for S in (64, 256):
+        row = {"tokens": S}
+        for impl in ("torch", "torch_keep_cast"):
+            mhc, streams, gain, noise, dout = setup(cfg, S, "cpu")
+            step = make_step(impl, mhc, streams, gain, noise, dout)
+            step()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                step()
+            row[impl] = {"fwd_bwd_ms": (time.perf_counter() - t0) / 3 * 1e3, "impl": mhc.last_impl}
+            assert mhc.last_impl == "mhc:torch" and streams.grad is not None and mhc.fn.grad is not None
+        print(row, flush=True)
+        res["cases"].append(row)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="64k tokens only, fewer reps")
+    ap.add_argument("--tokens", default="65536,262144")
+    ap.add_argument("--impls", default="torch,torch_keep_cast,liger")
+    ap.add_argument("--cpu-smoke", action="store_true")
+    args = ap.parse_args()
+    res = run_cpu_smoke(args) if args.cpu_smoke else run_gpu(args)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "mhc_cpu_smoke.json" if args.cpu_smoke else "mhc.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
