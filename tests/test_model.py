@@ -35,3 +35,26 @@ def test_h200_ref_parameter_counts():
     # the issue's headline: about 1.5B total, 0.35B active
     assert 1.3e9 < n["total"] < 1.7e9, n
     assert 0.25e9 < n["active"] < 0.45e9, n
+
+
+def test_activations_stay_in_the_autocast_dtype():
+    """fp32 master weights must not promote bf16 activations (found on the H200: RMSNorm returned
+    fp32, so the MoE ran its fp32 loop path and the DSA latents were fp32)."""
+    import dataclasses
+
+    from longctx.layers.dsa import SparseMLA
+    from longctx.layers.moe import MoE
+
+    torch.manual_seed(0)
+    m = LongCtxModel(dataclasses.replace(preset("tiny"), index_heads=16))
+    seen = {}
+    for name, mod in m.named_modules():
+        if isinstance(mod, (MoE, SparseMLA)):
+            mod.register_forward_hook(lambda mod, a, out, name=name: seen.__setitem__(name, (a[0].dtype, (out[0] if isinstance(out, tuple) else out).dtype)))
+    caches = m.init_caches(1, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(torch.randint(0, 97, (1, 40)), labels=torch.randint(0, 97, (1, 40)))
+        m(torch.randint(0, 97, (1, 40)), caches=caches)
+    assert seen and all(v == (torch.bfloat16, torch.bfloat16) for v in seen.values()), seen
+    dsa = [c for c in caches if hasattr(c, "latent")]
+    assert dsa and all(c.latent.view().dtype == torch.bfloat16 for c in dsa)

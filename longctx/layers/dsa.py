@@ -94,6 +94,7 @@ class SparseMLA(nn.Module):
         c = self.kv_a_norm(self.kv_a_proj(x))  # [B, T, kv_lora]
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora)
         q_abs = torch.einsum("bthn,hnl->bthl", q, w[:, : self.nope])
+        c = c.to(q_abs.dtype)  # under autocast the norm's fp32 weight promotes c; keys/values live in the compute dtype
         if isinstance(cache, LatentPrefix):
             if forced_selection is None and prev_selection is None:
                 raise ValueError(f"DSA layer {self.layer_idx}: a LatentPrefix chunk needs its selection passed in.")

@@ -15,7 +15,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # cast after the weight too: an fp32 master weight must not promote a bf16 activation to fp32
+        # under autocast (the MoE would then take its fp32 loop path and every norm output double in size)
+        return (self.weight * xf.to(x.dtype)).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
