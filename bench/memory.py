@@ -529,6 +529,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="runs,baseline,offload,host")
     ap.add_argument("--reps", type=int, default=2, help="steps per measurement below 512k (the last is timed)")
     ap.add_argument("--host-steps", type=int, help="steps of the host-memory test (default 20; quick 5; smoke 3)")
+    ap.add_argument("--host-seqlen", type=int, help="sequence length of the host-memory test (default 256k; quick 32k)")
+    ap.add_argument("--offload-seqlen", type=int, help="sequence length of pinned vs pageable (default 256k; quick 32k)")
     ap.add_argument("--resume", action="store_true", help="keep OUT/memory.json's results and add the missing ones")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
@@ -557,15 +559,15 @@ def main(argv=None) -> int:
         b = Bench(a)
         b.log(f"{b.res['gpu']}: {b.res['preset']}, {b.res['params']['total'] / 1e6:,.1f}M parameters, "
               f"capacity {b.dev.capacity / GIB:.3g} GiB")
-        b.warmup(lens[0])
+        b.warmup(min(lens))
         if "runs" in parts:
             b.runs(lens, configs)
         if "baseline" in parts:
             b.baseline_max(256 if a.cpu_smoke else 4 * K, 4 * K if a.cpu_smoke else 2048 * K)
         if "offload" in parts:
-            b.offload_pinned_vs_pageable(512 if a.cpu_smoke else 32 * K if a.quick else 256 * K)
+            b.offload_pinned_vs_pageable(512 if a.cpu_smoke else a.offload_seqlen or (32 * K if a.quick else 256 * K))
         if "host" in parts:
-            b.host_memory(256 if a.cpu_smoke else 32 * K if a.quick else 256 * K,
+            b.host_memory(256 if a.cpu_smoke else a.host_seqlen or (32 * K if a.quick else 256 * K),
                           a.host_steps or (3 if a.cpu_smoke else 5 if a.quick else 20))
         figure(b.res, b.out / "memory.png")
         b.log(f"wrote {b.path} and {b.out / 'memory.png'}")

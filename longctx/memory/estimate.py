@@ -87,12 +87,23 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
     return out
 
 
-def _indexer_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan) -> int:
+def _fused_indexer(gpu: str) -> bool:
+    """On a GPU the indexer runs our fused Triton kernel (backend auto); on the CPU the torch twin."""
+    return gpu not in ("cpu", "smoke")
+
+
+def _indexer_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, fused: bool = False, queries: int | None = None) -> int:
+    """Transient bytes of one indexer run: `queries` (default S) queries against the S/P pools."""
     P = cfg.index_pool
     pools = S // P
-    rows = min(S, plan.indexer_chunk) if plan.chunked_indexer else S
+    Q = S if queries is None else queries
+    W = cfg.index_width()
+    out = Q * W * 4 + pools * cfg.index_head_dim * 4  # the int32 selection, the pooled keys
+    if fused:  # the kernel's int32 pool ids, then token expansion in blocks of 8192 rows (int64 + mask)
+        return out + Q * (cfg.index_topk // P) * 4 + min(Q, 8192) * W * 8 * 2
+    rows = min(Q, plan.indexer_chunk) if plan.chunked_indexer else Q
     # fp32 scores per head for a block of queries, the head-summed score, top-k values/indices
-    return rows * pools * 4 * (cfg.index_heads + 2) + S * cfg.index_width() * 4 + pools * cfg.index_head_dim * 4
+    return out + rows * pools * 4 * (cfg.index_heads + 2)
 
 
 def _moe_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, skew: float = 1.0) -> int:
@@ -157,9 +168,7 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     host = {f"layer {i} selection": S * cfg.index_width() * 4 for i, k in enumerate(kinds) if k == "D" and idx[i] == "f"}
     work = dict(e["working"])
     if "D" in kinds:
-        P = cfg.index_pool
-        rows = min(C, plan.indexer_chunk) if plan.chunked_indexer else C
-        work["indexer workspace"] = rows * (S // P) * 4 * (cfg.index_heads + 2) + C * cfg.index_width() * 4
+        work["indexer workspace"] = _indexer_workspace(cfg, S, plan, _fused_indexer(gpu), queries=C)
         work["DSA prefix + grads (backward)"] = S * L * (a + a + 4)
     gpu_bytes = (sum(e["static"].values()) + sum(kept.values()) + sum(work.values())) * ALLOCATOR_SLACK
     host_bytes = sum(host.values())
@@ -205,7 +214,7 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     if recompute:
         work["recomputed block activations"] = sum(per_block[costliest].values())
     work["state gradients (in flight)"] = 2 * state
-    work["indexer workspace"] = _indexer_workspace(cfg, S_local, plan) if "D" in kinds else 0
+    work["indexer workspace"] = _indexer_workspace(cfg, S_local, plan, _fused_indexer(gpu)) if "D" in kinds else 0
     work["MoE workspace"] = _moe_workspace(cfg, S_local, plan) if "m" in mlps else 0
     work["LM head + loss"] = _loss_workspace(cfg, S_local, plan)
     work["prefetched offload block"] = state if n_off else 0

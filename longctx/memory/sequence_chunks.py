@@ -67,9 +67,7 @@ class SequenceChunker:
         self.chunk, self.checkpoint_blocks = chunk, checkpoint_blocks
         self.selection_to_host, self.pin_memory = selection_to_host, pin_memory
         self.last_stats: dict = {}
-
-    def end_step(self):
-        pass
+        self._host: dict = {}  # (layer, chunk) -> pinned selection buffer, reused step after step
 
     # ------------------------------------------------------------------ step
     def forward_backward(self, model, input_ids: torch.Tensor, labels: torch.Tensor):
@@ -139,15 +137,24 @@ class SequenceChunker:
                     carries[i][ci] = (caches[i].recurrent.clone(), caches[i].conv.clone())
                 state, sel = block(state, sel, cache=caches[i])
                 if block.kind == "D" and block.mixer.indexer is not None:
-                    selections[i][ci] = self._keep(sel, host)
+                    selections[i][ci] = self._keep(sel, host, (i, ci))
         return carries, selections, caches
 
-    def _keep(self, sel: torch.Tensor, host: bool) -> torch.Tensor:
+    def _keep(self, sel: torch.Tensor, host: bool, key) -> torch.Tensor:
+        """The selection, or its copy in a host buffer. Pinned buffers are allocated once and reused
+        (pinning 8 GiB per DSA layer at 1M each step would cost seconds); the copies are ordered on
+        the current stream with the later reads, so reuse is safe."""
         if not host:
             return sel
-        buf = torch.empty(sel.shape, dtype=sel.dtype, pin_memory=self.pin_memory)
+        buf = self._host.get(key)
+        if buf is None or buf.shape != sel.shape or buf.dtype != sel.dtype:
+            buf = self._host[key] = torch.empty(sel.shape, dtype=sel.dtype, pin_memory=self.pin_memory)
         buf.copy_(sel, non_blocking=self.pin_memory)
         return buf
+
+    def end_step(self):
+        if not self.pin_memory:
+            self._host.clear()
 
     @staticmethod
     def _act_dtype(model, x) -> torch.dtype:

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU runs behind bench/results/*.json and the GPU tests, as run on the lent H200 (one call per part).
+#   bash bench/run_h200.sh kernels   # GPU tests of every fast path, then the indexer/KDA/loss/mHC benchmarks
+#   bash bench/run_h200.sh memory    # bench/memory.py: the ablation runs 8k..1M
+#   bash bench/run_h200.sh extras    # baseline max context, pinned vs pageable, host memory, 128k end to end
+# Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh); results go to $OUT.
+set -u
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+case "${1:-}" in
+kernels)
+  timeout 240 python -m pytest -q -rs -s tests/test_gpu_sequence_chunks.py tests/test_gpu_indexer.py \
+      tests/test_gpu_sparse_attention.py tests/test_gpu_fused_loss.py tests/test_gpu_mhc.py 2>&1 | tail -40
+  timeout 150 python bench/indexer.py --out "$OUT" 2>&1 | tail -25
+  timeout 110 python bench/kda.py --out "$OUT" 2>&1 | tail -15
+  timeout 100 python bench/fused_loss.py --out "$OUT" --modes amp 2>&1 | tail -15
+  timeout 60 python bench/mhc.py --out "$OUT" 2>&1 | tail -10
+  ;;
+memory)
+  # the GPU test of the chunked step and the indexer's rounding tests, logged whole; then every
+  # length with all switches on (1M right after the 8k warm-up); then ablations while time is left
+  timeout 130 python -m pytest -q -rfE --tb=short -s tests/test_gpu_sequence_chunks.py \
+      "tests/test_gpu_indexer.py::test_random_inputs_match_twin_up_to_rounding" > "$OUT/gpu_tests.log" 2>&1
+  grep -E "rel-RMS|passed|failed|Error|assert" "$OUT/gpu_tests.log" | head -20
+  timeout $((560 - SECONDS)) python bench/memory.py --out "$OUT" --parts runs --configs all_on \
+      --seqlens 8192,1048576,524288,131072,262144,32768 > "$OUT/memory_all_on.log" 2>&1; tail -12 "$OUT/memory_all_on.log"
+  [ $SECONDS -lt 540 ] && timeout $((585 - SECONDS)) python bench/memory.py --out "$OUT" --parts runs --resume \
+      --seqlens 8192,32768,131072 > "$OUT/memory_ablation.log" 2>&1; tail -20 "$OUT/memory_ablation.log"
+  ;;
+extras)
+  [ -f bench/results/memory.json ] && cp bench/results/memory.json "$OUT/"
+  timeout 330 python bench/memory.py --out "$OUT" --resume --parts baseline,offload,host --seqlens 8192 \
+      --host-seqlen 65536 --offload-seqlen 262144 2>&1 | tail -30
+  timeout 200 python -m pytest -q -s tests/test_gpu_end_to_end.py 2>&1 | tail -8
+  ;;
+*) echo "usage: bench/run_h200.sh kernels|memory|extras"; exit 2 ;;
+esac
