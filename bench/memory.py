@@ -293,6 +293,9 @@ class Bench:
         """`reps` full steps under `plan` (one policy, as in training; `after_step()` runs after each);
         {'status': 'ok', ...} or {'status': 'oom', 'error': ...}."""
         policy = apply_plan(self.model, plan)
+        if hasattr(policy, "progress"):  # the sequence-chunked step: a line per chunk, timed
+            t_start = time.perf_counter()
+            policy.progress = lambda m: self.log(f"  [{S:,} {time.perf_counter() - t_start:7.1f} s] {m}")
         if self.dev.smoke and getattr(policy, "offloader", None) is not None:
             policy.offloader.force, policy.offloader.min_bytes = True, 0  # move (copy) even CPU tensors
         ids, labels = self.batch(S)
@@ -533,6 +536,7 @@ def main(argv=None) -> int:
     ap.add_argument("--offload-seqlen", type=int, help="sequence length of pinned vs pageable (default 256k; quick 32k)")
     ap.add_argument("--resume", action="store_true", help="keep OUT/memory.json's results and add the missing ones")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first step (the first run then includes compilation)")
     a = ap.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     if not a.cpu_smoke and not torch.cuda.is_available():
@@ -559,7 +563,8 @@ def main(argv=None) -> int:
         b = Bench(a)
         b.log(f"{b.res['gpu']}: {b.res['preset']}, {b.res['params']['total'] / 1e6:,.1f}M parameters, "
               f"capacity {b.dev.capacity / GIB:.3g} GiB")
-        b.warmup(min(lens))
+        if not a.no_warmup:
+            b.warmup(min(lens))
         if "runs" in parts:
             b.runs(lens, configs)
         if "baseline" in parts:

@@ -2,6 +2,7 @@
 # The GPU runs behind bench/results/*.json and the GPU tests, as run on the lent H200 (one call per part).
 #   bash bench/run_h200.sh kernels   # GPU tests of every fast path, then the indexer/KDA/loss/mHC benchmarks
 #   bash bench/run_h200.sh memory    # bench/memory.py: the ablation runs 8k..1M
+#   bash bench/run_h200.sh step1m    # one 1M-token step (all switches on), logged chunk by chunk
 #   bash bench/run_h200.sh extras    # baseline max context, pinned vs pageable, host memory, 128k end to end
 # Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh); results go to $OUT.
 set -u
@@ -30,6 +31,11 @@ memory)
       --seqlens 8192,1048576,524288,131072,262144,32768 > "$OUT/memory_all_on.log" 2>&1; tail -12 "$OUT/memory_all_on.log"
   [ $SECONDS -lt 540 ] && timeout $((585 - SECONDS)) python bench/memory.py --out "$OUT" --parts runs --resume \
       --seqlens 8192,32768,131072 > "$OUT/memory_ablation.log" 2>&1; tail -20 "$OUT/memory_ablation.log"
+  ;;
+step1m)
+  # one full training step of h200-ref at 1,048,576 tokens, no warm-up (a line per chunk, with the peak so far)
+  timeout $((280 - SECONDS)) python bench/memory.py --out "$OUT" --parts runs --configs all_on --seqlens 1048576 \
+      --no-warmup > "$OUT/memory_1m.log" 2>&1; tail -25 "$OUT/memory_1m.log"
   ;;
 extras)
   [ -f bench/results/memory.json ] && cp bench/results/memory.json "$OUT/"

@@ -68,6 +68,7 @@ class SequenceChunker:
         self.selection_to_host, self.pin_memory = selection_to_host, pin_memory
         self.last_stats: dict = {}
         self._host: dict = {}  # (layer, chunk) -> pinned selection buffer, reused step after step
+        self.progress = None  # optional callable(str): one line per chunk of each sweep (benchmarks)
 
     # ------------------------------------------------------------------ step
     def forward_backward(self, model, input_ids: torch.Tensor, labels: torch.Tensor):
@@ -116,6 +117,7 @@ class SequenceChunker:
                     d_latent[i][:, :s0] += lv.grad
             losses.append(tl.detach())
             total += loss.detach()
+            self._report(f"backward sweep: chunk {ci + 1}/{len(bounds)} done", input_ids)
         token_losses = torch.cat(losses[::-1], 1)
         self.last_stats = {"chunks": len(bounds), "chunk": C}
         return ModelOutput(loss=total, lm_loss=total, token_losses=token_losses, aux={})
@@ -138,7 +140,16 @@ class SequenceChunker:
                 state, sel = block(state, sel, cache=caches[i])
                 if block.kind == "D" and block.mixer.indexer is not None:
                     selections[i][ci] = self._keep(sel, host, (i, ci))
+            self._report(f"forward sweep: chunk {ci + 1}/{len(bounds)} done", input_ids)
         return carries, selections, caches
+
+    def _report(self, what: str, x: torch.Tensor) -> None:
+        if self.progress is None:
+            return
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+            what += f", peak {torch.cuda.max_memory_allocated(x.device) / 2**30:.2f} GiB"
+        self.progress(what)
 
     def _keep(self, sel: torch.Tensor, host: bool, key) -> torch.Tensor:
         """The selection, or its copy in a host buffer. Pinned buffers are allocated once and reused
