@@ -26,7 +26,6 @@ import argparse
 import datetime
 import importlib.metadata
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from timing import timed  # bench/ is on sys.path when run as a script
 
 from longctx.ops.kda import fla_available, fla_chunk_kda, kda_chunk, kda_gate, l2norm
 
@@ -85,23 +86,7 @@ def step(x: dict, impl: str, do: torch.Tensor):
 
 
 def time_ms(fn, dev: str, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    sync(dev)
-    ms = []
-    for _ in range(reps):
-        if dev == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ms.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ms)
+    return timed(fn, warmup, reps, device=dev)
 
 
 def run_case(S: int, impl: str, dev: str, warmup: int, reps: int) -> tuple[dict, dict | None]:

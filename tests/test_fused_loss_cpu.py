@@ -110,6 +110,17 @@ def test_version_parsing():
     assert v("0.8.4") < v(fused_loss.LIGER_MIN_VERSION) <= v("0.9.0")
 
 
+def test_liger_import_error_names_the_cause(monkeypatch):
+    def broken():
+        raise ImportError("no module named liger_kernel")
+
+    assert fused_loss.liger_import_error(broken, "x") == "ImportError: no module named liger_kernel"
+    monkeypatch.setattr(fused_loss, "liger_version", lambda: "0.8.4")
+    assert "0.8.5 or newer is needed (its mHC ops)" in fused_loss.liger_import_error(lambda: None, "its mHC ops")
+    monkeypatch.setattr(fused_loss, "liger_version", lambda: "0.8.5")
+    assert fused_loss.liger_import_error(lambda: None, "x") is None
+
+
 # -------------------------------------------------------------------------------- residual_impl
 def test_mhc_auto_on_cpu_is_torch_and_liger_raises():
     model = _tiny()

@@ -67,20 +67,28 @@ def liger_version() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=1)
-def _import_error() -> str | None:
+def liger_import_error(importer, need: str) -> str | None:
+    """Why a liger-kernel feature cannot be used, or None: `importer()` imports what the feature
+    needs (raising if it cannot), and the installed version must be LIGER_MIN_VERSION or newer."""
     try:
-        from liger_kernel.transformers.functional import (
-            liger_fused_linear_cross_entropy,  # noqa: F401
-        )
+        importer()
     except Exception as e:  # noqa: BLE001 - ImportError, or a triton/torch mismatch raised while importing
         return f"{type(e).__name__}: {e}"
     v = liger_version()
     if v is None:
         return "liger-kernel imports but has no package metadata, so its version cannot be checked"
     if _version_tuple(v) < _version_tuple(LIGER_MIN_VERSION):
-        return f"liger-kernel {v} is installed; {LIGER_MIN_VERSION} or newer is needed (reduction='none' backward)"
+        return f"liger-kernel {v} is installed; {LIGER_MIN_VERSION} or newer is needed ({need})"
     return None
+
+
+def _import_flce():
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy  # noqa: F401
+
+
+@functools.lru_cache(maxsize=1)
+def _import_error() -> str | None:
+    return liger_import_error(_import_flce, "reduction='none' backward")
 
 
 def liger_available() -> bool:

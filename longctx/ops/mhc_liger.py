@@ -34,29 +34,24 @@ import functools
 import torch
 
 from ..errors import ConfigError
-from .fused_loss import LIGER_MIN_VERSION, _version_tuple, liger_version
+from .fused_loss import LIGER_MIN_VERSION, liger_import_error
 
 __all__ = ["check_mhc_args", "liger_mhc_available", "liger_mhc_coefficients", "liger_mhc_post_res", "liger_mhc_pre"]
 
 MAX_STREAMS = 16
 
 
+def _import_mhc_ops():
+    from liger_kernel.transformers.functional import (  # noqa: F401
+        liger_mhc_coeffs,
+        liger_mhc_post_res,
+        liger_mhc_pre,
+    )
+
+
 @functools.lru_cache(maxsize=1)
 def _import_error() -> str | None:
-    try:
-        from liger_kernel.transformers.functional import (  # noqa: F401
-            liger_mhc_coeffs,
-            liger_mhc_post_res,
-            liger_mhc_pre,
-        )
-    except Exception as e:  # noqa: BLE001 - ImportError, or a triton/torch mismatch raised while importing
-        return f"{type(e).__name__}: {e}"
-    v = liger_version()
-    if v is None:
-        return "liger-kernel imports but has no package metadata, so its version cannot be checked"
-    if _version_tuple(v) < _version_tuple(LIGER_MIN_VERSION):
-        return f"liger-kernel {v} is installed; {LIGER_MIN_VERSION} or newer is needed (its mHC ops)"
-    return None
+    return liger_import_error(_import_mhc_ops, "its mHC ops")
 
 
 def import_error() -> str | None:
