@@ -13,8 +13,10 @@ from tqdm import tqdm
 
 @torch.no_grad()
 def per_position_loss(model, windows: torch.Tensor, n_buckets: int = 8, batch_size: int = 1, device=None,
-                      progress: bool = False) -> dict:
-    """windows: int64 [N, L+1]. Returns {"loss", "tokens", "buckets": [{"start", "end", "loss"}]}."""
+                      progress: bool = False, token_losses=None) -> dict:
+    """windows: int64 [N, L+1]. Returns {"loss", "tokens", "buckets": [{"start", "end", "loss"}]}.
+    token_losses(model, x, y) -> [B, L]: how to get them (default: one forward of the whole window;
+    the trainer passes the sequence-chunked forward for lengths it trains in chunks)."""
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
@@ -25,9 +27,12 @@ def per_position_loss(model, windows: torch.Tensor, n_buckets: int = 8, batch_si
     it = range(0, N, batch_size)
     for s in tqdm(it, desc="eval", disable=not progress, leave=False):
         w = windows[s : s + batch_size].to(device)
-        out = model(w[:, :-1], labels=w[:, 1:], return_logits=False, token_losses=True)
+        if token_losses is None:
+            tl = model(w[:, :-1], labels=w[:, 1:], return_logits=False, token_losses=True).token_losses
+        else:
+            tl = token_losses(model, w[:, :-1], w[:, 1:])
         mask = (w[:, 1:] != -100).double().cpu()
-        sums += (out.token_losses.double().cpu() * mask).sum(0)
+        sums += (tl.double().cpu() * mask).sum(0)
         counts += mask.sum(0)
     model.clear_aux()
     model.train(was_training)

@@ -174,10 +174,24 @@ class Trainer:
         if not self.quiet:
             self.log(f"resumed from step {self.step}")
 
+    def _eval_forward(self):
+        """The sequence-chunked forward when the memory plan trains the evaluation length in chunks
+        (a whole-sequence forward at 1M tokens would not fit either); None = one plain forward."""
+        from .memory.estimate import resolve_auto
+        from .memory.plan import MemoryPlan
+        from .memory.sequence_chunks import SequenceChunker
+
+        L = self.eval_set.shape[1] - 1
+        plan, _ = resolve_auto(MemoryPlan.from_dict(self.cfg.memory), self.cfg.model, L, self.device,
+                               resolve_dtype(self.cfg.dtype, self.device).itemsize)
+        c = plan.seq_chunk_tokens()
+        return SequenceChunker(c).token_losses if 0 < c < L else None
+
     def evaluate(self, label: str) -> dict:
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             res = per_position_loss(self.model, self.eval_set, n_buckets=8, device=self.device,
-                                    progress=not self.quiet and sys.stderr.isatty())
+                                    progress=not self.quiet and sys.stderr.isatty(),
+                                    token_losses=self._eval_forward())
         self._record({"step": self.step, "eval": label, "eval_loss": res["loss"], "buckets": res["buckets"]})
         return res
 

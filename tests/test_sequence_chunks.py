@@ -151,3 +151,16 @@ def test_trainer_runs_a_chunked_stage(tmp_path):
     a = [r["loss"] for r in t.history if "loss" in r]
     b = [r["loss"] for r in ref.history if "loss" in r]
     assert len(a) == 5 and a == pytest.approx(b, rel=1e-4, abs=1e-4)
+    # evaluation at a length trained in chunks runs the chunked forward, with the same result
+    assert t._eval_forward() is not None and ref._eval_forward() is None
+    assert t.before["loss"] == pytest.approx(ref.before["loss"], rel=1e-5)
+
+
+def test_chunked_forward_losses_equal_the_whole_forward():
+    m = _model().eval()
+    x, y = _batch(m.cfg)
+    whole = m(x, labels=y, token_losses=True).token_losses
+    for chunk in (16, 23, 70):
+        got = SequenceChunker(chunk).token_losses(m, x, y)
+        assert got.shape == whole.shape and torch.allclose(got, whole, atol=1e-6), chunk
+    assert all(mod._pending_count == 0 for mod in m.modules() if isinstance(mod, MoE))  # eval records no balance

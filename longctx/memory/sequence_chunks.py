@@ -122,10 +122,23 @@ class SequenceChunker:
         self.last_stats = {"chunks": len(bounds), "chunk": C}
         return ModelOutput(loss=total, lm_loss=total, token_losses=token_losses, aux={})
 
+    @torch.no_grad()
+    def token_losses(self, model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token losses [B, S] of a forward over the sequence in chunks, no graph (evaluation at
+        a length whose training step is chunked): the forward sweep alone, the head on each chunk."""
+        S = input_ids.shape[1]
+        C = min(self.chunk, S)
+        bounds = [(s, min(S, s + C)) for s in range(0, S, C)]
+        losses = []
+        self._forward_sweep(model, input_ids, bounds, labels=labels, losses=losses)
+        return torch.cat(losses, 1)
+
     # ------------------------------------------------------------------ the two sweeps
     @torch.no_grad()
-    def _forward_sweep(self, model, input_ids, bounds):
-        """Run every chunk through every layer once; record the carries each chunk starts from."""
+    def _forward_sweep(self, model, input_ids, bounds, labels=None, losses=None):
+        """Run every chunk through every layer once; record the carries each chunk starts from.
+        With `losses` (a list): append each chunk's token losses and record nothing else."""
+        record = losses is None
         B = input_ids.shape[0]
         caches = model.init_caches(B, device=input_ids.device, dtype=self._act_dtype(model, input_ids))
         carries = [[None] * len(bounds) for _ in model.layers]
@@ -135,11 +148,13 @@ class SequenceChunker:
             state = model.embed_state(input_ids[:, s0:s1])
             sel = None
             for i, block in enumerate(model.layers):
-                if block.kind == "K":
+                if block.kind == "K" and record:
                     carries[i][ci] = (caches[i].recurrent.clone(), caches[i].conv.clone())
                 state, sel = block(state, sel, cache=caches[i])
-                if block.kind == "D" and block.mixer.indexer is not None:
+                if block.kind == "D" and block.mixer.indexer is not None and record:
                     selections[i][ci] = self._keep(sel, host, (i, ci))
+            if not record:
+                losses.append(model.chunked_token_losses(model.norm(model.stream.final(state)), labels[:, s0:s1]))
             self._report(f"forward sweep: chunk {ci + 1}/{len(bounds)} done", input_ids)
         return carries, selections, caches
 
