@@ -5,11 +5,19 @@
 #   bash bench/run_h200.sh step1m    # one 1M-token step (all switches on), logged chunk by chunk
 #   bash bench/run_h200.sh extras    # baseline max context, pinned vs pageable, host memory, 128k end to end
 # Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh); results go to $OUT.
+# Each part stays under the device tool's 600 s per call, with its own timeouts inside so that the
+# logs and JSON written so far come back.
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# Compiled kernels and autotuning results (fla's KDA kernels autotune for ~100 s on a cold machine)
+# persist in .triton-cache: the end of each call packs it into $OUT; unpack it into the checkout and
+# name .triton-cache in the next call's carry to start warm.
+export TRITON_CACHE_DIR=$PWD/.triton-cache TRITON_CACHE_AUTOTUNING=1
+pack_cache() { tar czf "$OUT/triton-cache.tgz" .triton-cache 2>/dev/null; du -h "$OUT/triton-cache.tgz" 2>/dev/null; }
+trap pack_cache EXIT
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case "${1:-}" in
