@@ -67,6 +67,21 @@ def test_same_loss_and_grads_as_the_whole_sequence(residual, chunk, ckpt):
     assert torch.allclose(got.token_losses, m(x, labels=y, token_losses=True).token_losses, atol=1e-6)
 
 
+def test_attention_residuals_and_a_one_token_last_chunk():
+    """Block attention residuals carry a tuple state; 33 tokens in chunks of 16 end with a one-token
+    chunk, which KDA runs through its single-step form."""
+    m = _model("attnres")
+    x, y = _batch(m.cfg, S=33)
+    out = m(x, labels=y)
+    out.loss.backward()
+    ref = _grads(m)
+    m.zero_grad(set_to_none=True)
+    got = SequenceChunker(16).forward_backward(m, x, y)
+    g = _grads(m)
+    assert g.keys() == ref.keys() and abs(got.lm_loss.item() - out.lm_loss.item()) <= 1e-6 * out.lm_loss.item()
+    assert max(((g[n] - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-30)).item() for n in ref) < 1e-5
+
+
 def test_chunks_record_the_balance_once_each():
     m = _model()
     x, y = _batch(m.cfg)
