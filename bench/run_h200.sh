@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/results/*.json and the GPU tests, as run on the lent H200 (one call per part).
-#   bash bench/run_h200.sh kernels   # GPU tests of every fast path, then the indexer/KDA/loss/mHC benchmarks
+#   bash bench/run_h200.sh kernels   # GPU tests of every fast path, then the indexer and KDA benchmarks
+#   (bench/fused_loss.py --modes amp and bench/mhc.py ran the same way: bench/results/{fused_loss,mhc}.json)
 #   bash bench/run_h200.sh memory    # bench/memory.py: the ablation runs 8k..1M
 #   bash bench/run_h200.sh step1m    # one 1M-token step (all switches on), logged chunk by chunk
 #   bash bench/run_h200.sh extras    # baseline max context, pinned vs pageable, host memory, 128k end to end
@@ -22,12 +23,12 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case "${1:-}" in
 kernels)
-  timeout 240 python -m pytest -q -rs -s tests/test_gpu_sequence_chunks.py tests/test_gpu_indexer.py \
-      tests/test_gpu_sparse_attention.py tests/test_gpu_fused_loss.py tests/test_gpu_mhc.py 2>&1 | tail -40
-  timeout 150 python bench/indexer.py --out "$OUT" 2>&1 | tail -25
-  timeout 110 python bench/kda.py --out "$OUT" 2>&1 | tail -15
-  timeout 100 python bench/fused_loss.py --out "$OUT" --modes amp 2>&1 | tail -15
-  timeout 60 python bench/mhc.py --out "$OUT" 2>&1 | tail -10
+  # every log goes to $OUT whole (a tail through the tool's 12k-character window loses the failures)
+  timeout 300 python -m pytest -q -rfE --tb=short -s tests/test_gpu_sequence_chunks.py tests/test_gpu_indexer.py \
+      tests/test_gpu_sparse_attention.py tests/test_gpu_fused_loss.py tests/test_gpu_mhc.py > "$OUT/gpu_tests.log" 2>&1
+  grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -12
+  timeout 150 python bench/indexer.py --out "$OUT" > "$OUT/indexer.log" 2>&1; tail -3 "$OUT/indexer.log"
+  timeout 200 python bench/kda.py --out "$OUT" > "$OUT/kda.log" 2>&1; tail -3 "$OUT/kda.log"
   ;;
 memory)
   # the GPU test of the chunked step and the indexer's rounding tests, logged whole; then every
