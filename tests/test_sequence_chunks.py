@@ -67,6 +67,27 @@ def test_same_loss_and_grads_as_the_whole_sequence(residual, chunk, ckpt):
     assert torch.allclose(got.token_losses, m(x, labels=y, token_losses=True).token_losses, atol=1e-6)
 
 
+@pytest.mark.parametrize("dense_below,chunk,ckpt", [(0, 16, True), (1000, 16, True), (0, 8, False)])
+def test_indexer_kl_is_carried_across_chunks(dense_below, chunk, ckpt):
+    """The indexer KL (sparse, and the dense warm-up): earlier chunks' pooled keys are a leaf whose
+    gradient returns to the chunk that built them, so the indexer gets the whole-sequence gradient."""
+    m = _model(indexer_loss=True, indexer_loss_dense_below=dense_below)
+    x, y = _batch(m.cfg)
+    out = m(x, labels=y)
+    out.loss.backward()
+    ref, kl_ref = _grads(m), out.aux["indexer_kl"].item()
+    m.zero_grad(set_to_none=True)
+    m.clear_aux()
+    got = SequenceChunker(chunk, checkpoint_blocks=ckpt).forward_backward(m, x, y)
+    g = _grads(m)
+    assert g.keys() == ref.keys() and any("indexer" in n for n in g)
+    assert got.aux["indexer_kl"].item() == pytest.approx(kl_ref, rel=1e-3)  # the indexer scores in fp32
+    assert got.loss.item() == pytest.approx(out.loss.item(), rel=1e-6)
+    for n in ref:
+        err = (g[n] - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-30)
+        assert err < 1e-4, (n, err.item())
+
+
 def test_attention_residuals_and_a_one_token_last_chunk():
     """Block attention residuals carry a tuple state; 33 tokens in chunks of 16 end with a one-token
     chunk, which KDA runs through its single-step form."""
@@ -122,8 +143,10 @@ def test_unsupported_settings_are_refused():
     with pytest.raises(ConfigError, match="balancer"):
         apply_plan(m, MemoryPlan.from_dict({"recompute": "on", "offload": "off", "seq_chunk": 16}))
     m = _model(indexer_loss=True)
-    with pytest.raises(ConfigError, match="indexer_loss"):
-        SequenceChunker(16).forward_backward(m, x, y)
+    with pytest.raises(ConfigError, match="multiple of model.index_pool"):
+        SequenceChunker(18).forward_backward(m, x, y)
+    with pytest.raises(ConfigError, match="multiple of model.index_pool"):
+        apply_plan(m, MemoryPlan.from_dict({"recompute": "on", "offload": "off", "seq_chunk": 18}))
     with pytest.raises(ConfigError, match="seq_chunk"):
         MemoryPlan.from_dict({"seq_chunk": "lots"})
     with pytest.raises(ConfigError, match="offload"):

@@ -45,9 +45,11 @@ class LatentPrefix:
     tokens before this chunk (`rows`, a leaf that collects their gradient; None for the first
     chunk). The forward records the chunk's own rows in `new_rows`; the selection is passed in."""
 
-    def __init__(self, rows: torch.Tensor | None):
+    def __init__(self, rows: torch.Tensor | None, want_kl: bool = False):
         self.rows = rows
         self.new_rows: torch.Tensor | None = None
+        self.want_kl = want_kl  # keep the indexer KL's (detached) inputs for the caller
+        self.kl_inputs: tuple | None = None
 
 
 class SparseMLA(nn.Module):
@@ -100,6 +102,8 @@ class SparseMLA(nn.Module):
                 raise ValueError(f"DSA layer {self.layer_idx}: a LatentPrefix chunk needs its selection passed in.")
             cache.new_rows = c
             kv = c if cache.rows is None else torch.cat([cache.rows.to(c.dtype), c], 1)
+            if cache.want_kl:
+                cache.kl_inputs = (x.detach(), q_latent.detach(), q_abs.detach(), kv.detach())
             cache = None
         else:
             kv = c if cache is None else cache.latent.append(c)

@@ -263,7 +263,7 @@ class KPoolIndexer(nn.Module):
     # ------------------------------------------------------------------ training signal
     def kl_loss(self, x: torch.Tensor, q_latent: torch.Tensor, q_attn: torch.Tensor, kv: torch.Tensor,
                 scale: float, selection: torch.Tensor | None = None, dense: bool = False,
-                chunk=_DEFAULT) -> torch.Tensor:
+                chunk=_DEFAULT, pk: torch.Tensor | None = None, q_offset: int = 0, reduce: bool = True):
         """Mean over queries of KL(attention || indexer) over pools; gradient only into this module.
 
         q_attn [B, S, H, D] and kv [B, S, D] are the main attention's (absorbed) queries and latent.
@@ -273,6 +273,11 @@ class KPoolIndexer(nn.Module):
         causal attention (the warm-up); otherwise support = the pools in `selection` and the target
         is the sparse attention over `selection`. Each block of queries is recomputed in backward,
         so the saved state is O(S), not O(S^2 / P).
+
+        Sequence chunks (longctx.memory.sequence_chunks): `pk` = the pooled keys of every complete
+        pool up to the chunk's end (earlier chunks' as a leaf that collects their gradient), x etc.
+        the chunk's rows at absolute positions q_offset.., kv the latents up to the chunk's end;
+        reduce=False returns (sum of the per-query KLs, number of queries counted).
         """
         x, q_latent, q_attn, kv = x.detach(), q_latent.detach(), q_attn.detach(), kv.detach()
         chunk = self.chunk if chunk is _DEFAULT else chunk
@@ -282,22 +287,23 @@ class KPoolIndexer(nn.Module):
         P = self.pool
         step = S if chunk is None else chunk
         with torch.enable_grad():
-            k, gate = self.key_rows(x)
-            n = S // P * P
-            pk = self.pool_keys(k[:, :n], gate[:, :n]) if n else k[:, :0]
+            if pk is None:
+                k, gate = self.key_rows(x)
+                n = S // P * P
+                pk = self.pool_keys(k[:, :n], gate[:, :n]) if n else k[:, :0]
             total = pk.sum() * 0.0  # keeps the result attached to the graph when no query counts
             count = torch.zeros((), device=x.device)
             for s0 in range(0, S, step):
                 s1 = min(S, s0 + step)
                 args = (pk, x[:, s0:s1], q_latent[:, s0:s1], q_attn[:, s0:s1], kv,
-                        None if dense else selection[:, s0:s1], s0, scale)
+                        None if dense else selection[:, s0:s1], q_offset + s0, scale)
                 if torch.is_grad_enabled() and pk.requires_grad:
                     kl, cnt = checkpoint(self._kl_block, *args, use_reentrant=False)
                 else:
                     kl, cnt = self._kl_block(*args)
                 total = total + kl
                 count = count + cnt
-            return total / count.clamp(min=1)
+            return total / count.clamp(min=1) if reduce else (total, count)
 
     def _kl_block(self, pk, x, q_latent, q_attn, kv, sel, s0, scale):
         B, c = x.shape[:2]

@@ -118,9 +118,10 @@ def apply_plan(model, plan: MemoryPlan):
     # an unresolved seq_chunk "auto" means the whole sequence: only the estimator turns chunking on
     chunked = plan.seq_chunk_tokens() > 0
     if chunked:
-        from .sequence_chunks import check_supported
+        from .sequence_chunks import check_chunk, check_supported
 
         check_supported(model)
+        check_chunk(model, plan.seq_chunk_tokens())
         if plan.offload_blocks():
             raise ConfigError(f"memory.offload={plan.offload} does not combine with memory.seq_chunk={plan.seq_chunk} "
                               "(a chunk's block inputs are small); set memory.offload = off.")

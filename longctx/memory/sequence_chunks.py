@@ -28,9 +28,11 @@ with full recompute. What stays O(S): the latent rows and their fp32 gradient (6
 per token per DSA layer, 3 GiB at 1M), the selections (host), pooled keys, and the KDA carries
 (768 KiB per layer per chunk for h200-ref).
 
-Limits (raised as ConfigError by `check_supported`): MoE's aux-loss balancer and the indexer KL
-loss are sums over the whole sequence of non-separable terms; packed documents (cu_seqlens) are not
-passed to chunked steps. Quantile/sign balancing sees each chunk as a micro-batch (the pending
+Limits (raised as ConfigError by `check_supported`): MoE's aux-loss balancer couples all tokens
+of the sequence (a product of sequence means); packed documents (cu_seqlens) are not passed to
+chunked steps. The indexer KL is carried like the latent rows: the pooled keys of earlier chunks
+are a leaf whose gradient is added to an fp32 buffer that the chunk that built them reads
+(chunks must then start on pool borders). Quantile/sign balancing sees each chunk as a micro-batch (the pending
 bias is averaged over the chunks, as over micro-batches).
 """
 
@@ -50,9 +52,14 @@ def check_supported(model) -> None:
     if "m" in cfg.mlp_kinds() and cfg.balancer == "aux":
         raise ConfigError("memory.seq_chunk cannot train with model.balancer = aux (its loss couples all tokens of "
                           "the sequence); use model.balancer = quantile or sign, or set memory.seq_chunk = off.")
-    if cfg.indexer_loss and "D" in cfg.layer_kinds():
-        raise ConfigError("memory.seq_chunk does not compute the indexer KL loss (model.indexer_loss = true); train the "
-                          "indexer in a shorter stage and set model.indexer_loss = false here, or memory.seq_chunk = off.")
+
+
+def check_chunk(model, chunk: int) -> None:
+    """With the indexer KL, chunk borders must fall on pool borders (a pool's key is built in one chunk)."""
+    P = model.cfg.index_pool
+    if model.cfg.indexer_loss and "D" in model.cfg.layer_kinds() and chunk % P:
+        raise ConfigError(f"memory.seq_chunk ({chunk}) must be a multiple of model.index_pool ({P}) while "
+                          f"model.indexer_loss is on; use e.g. {max(P, chunk // P * P)}.")
 
 
 class SequenceChunker:
@@ -77,28 +84,51 @@ class SequenceChunker:
         from ..model import ModelOutput
 
         check_supported(model)
-        S = input_ids.shape[1]
+        B, S = input_ids.shape
         C = min(self.chunk, S)
+        if C < S:
+            check_chunk(model, C)
         bounds = [(s, min(S, s + C)) for s in range(0, S, C)]
         n_tokens = (labels != -100).sum().clamp(min=1)
         carries, selections, caches = self._forward_sweep(model, input_ids, bounds)
+        cfg, P = model.cfg, model.cfg.index_pool
+        kl_layers = [i for i, b in enumerate(model.layers) if b.kind == "D" and b.mixer.indexer is not None]
+        self._kl = None
+        if cfg.indexer_loss and model.training and kl_layers:
+            # KL(attention || indexer) averaged over the queries that have a complete pool before them
+            # (t >= P - 1: the indexer always selects one then), and over the full DSA layers
+            self._kl = {"scale": cfg.indexer_loss_coef / len(kl_layers) / max(1, B * (S - (P - 1))),
+                        "dense": S <= cfg.indexer_loss_dense_below, "caches": caches}
 
         kinds = [b.kind for b in model.layers]
         d_carry = [None] * len(kinds)  # per KDA layer: (d recurrent, d conv) of the next chunk's start
         latent = {i: caches[i].latent.view() for i, k in enumerate(kinds) if k == "D"}
         acc = torch.promote_types(model.embed.weight.dtype, torch.float32)  # fp32, or fp64 for an fp64 model
         d_latent = {i: torch.zeros(v.shape, dtype=acc, device=v.device) for i, v in latent.items()}
+        d_pool = {}  # per full DSA layer with the KL: gradient of each pooled indexer key, from later chunks
+        if self._kl is not None:
+            for i in kl_layers:
+                pk = caches[i].indexer.pool_keys.view()
+                if pk is not None:
+                    d_pool[i] = torch.zeros(pk.shape, dtype=acc, device=pk.device)
         losses = []
         total = torch.zeros((), dtype=acc, device=input_ids.device)
+        total_kl = torch.zeros((), dtype=acc, device=input_ids.device)
         for ci in range(len(bounds) - 1, -1, -1):
             s0, s1 = bounds[ci]
-            leaves, outs, grads = {}, [], []
+            leaves, outs, grads, pools = {}, [], [], {}
             with replaying():
                 tl, ends = self._chunk_graph(model, input_ids[:, s0:s1], labels[:, s0:s1], s0, ci, carries,
-                                             selections, latent, leaves)
+                                             selections, latent, leaves, pools)
             loss = tl.sum() / n_tokens
-            outs.append(loss)
+            kl = sum(k for k, _, _ in pools.values()) if pools else None
+            outs.append(loss if kl is None else loss + kl)
             grads.append(torch.ones_like(loss))
+            for i, (_, prev, own) in pools.items():
+                if own is not None and own.requires_grad and i in d_pool:
+                    n0 = prev.shape[1] if prev is not None else 0
+                    outs.append(own)
+                    grads.append(d_pool[i][:, n0 : n0 + own.shape[1]].to(own.dtype))
             for i, end in ends.items():
                 if kinds[i] == "K" and d_carry[i] is not None:
                     for t, g in zip(end, d_carry[i]):
@@ -115,12 +145,19 @@ class SequenceChunker:
                     d_carry[i] = tuple(t.grad for t in lv)
                 elif lv is not None and lv.grad is not None:
                     d_latent[i][:, :s0] += lv.grad
+            for i, (_, prev, _) in pools.items():
+                if prev is not None and prev.grad is not None:
+                    d_pool[i][:, : prev.shape[1]] += prev.grad
             losses.append(tl.detach())
             total += loss.detach()
+            if kl is not None:
+                total_kl += kl.detach()
             self._report(f"backward sweep: chunk {ci + 1}/{len(bounds)} done", input_ids)
         token_losses = torch.cat(losses[::-1], 1)
         self.last_stats = {"chunks": len(bounds), "chunk": C}
-        return ModelOutput(loss=total, lm_loss=total, token_losses=token_losses, aux={})
+        self._kl = None
+        aux = {"indexer_kl": total_kl} if cfg.indexer_loss and model.training and kl_layers else {}
+        return ModelOutput(loss=total + total_kl, lm_loss=total, token_losses=token_losses, aux=aux)
 
     @torch.no_grad()
     def token_losses(self, model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -187,9 +224,10 @@ class SequenceChunker:
         dev = x.device.type
         return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else model.embed.weight.dtype
 
-    def _chunk_graph(self, model, ids, labels, s0, ci, carries, selections, latent, leaves):
+    def _chunk_graph(self, model, ids, labels, s0, ci, carries, selections, latent, leaves, pools):
         """Chunk ci with a graph. Fills `leaves` (the carry inputs whose .grad goes to the previous
-        chunk) and returns (token losses [B, T], {layer: what this chunk hands on})."""
+        chunk) and, with the indexer KL, `pools` {layer: (KL term, earlier pooled keys (leaf), this
+        chunk's pooled keys)}; returns (token losses [B, T], {layer: what this chunk hands on})."""
         state = model.embed_state(ids)
         sel, ends = None, {}
         for i, block in enumerate(model.layers):
@@ -207,15 +245,39 @@ class SequenceChunker:
                 forced = selections[i][ci]
                 if forced is not None:
                     forced = forced.to(ids.device, non_blocking=True)
-                state, sel, new_rows = self._run(_dsa_block, block, state, sel, rows, forced)
+                want_kl = self._kl is not None and block.mixer.indexer is not None
+                state, sel, new_rows, kl_inputs = self._run(_dsa_block, block, state, sel, rows, forced, want_kl)
                 ends[i] = new_rows
+                if want_kl:
+                    pools[i] = self._indexer_kl(block.mixer, i, s0, kl_inputs, sel)
         h = model.norm(model.stream.final(state))
         return model.chunked_token_losses(h, labels), ends
 
-    def _run(self, fn, block, state, sel, a, b):
+    def _indexer_kl(self, mixer, i, s0, kl_inputs, sel):
+        """The indexer KL of this chunk's queries, built outside the block's checkpoint (its graph
+        holds only detached inputs and the indexer's parameters): pooled keys of earlier chunks are a
+        leaf (their gradient goes back to the chunk that built them), this chunk's are built here."""
+        x, q_latent, q_abs, kv = kl_inputs
+        idx, P = mixer.indexer, mixer.indexer.pool
+        cached = self._kl["caches"][i].indexer.pool_keys.view()
+        n_prev = s0 // P
+        prev = cached[:, :n_prev].detach().requires_grad_(True) if n_prev else None
+        with torch.enable_grad():
+            n = x.shape[1] // P * P
+            own = None
+            if n:
+                k, gate = idx.key_rows(x)
+                own = idx.pool_keys(k[:, :n], gate[:, :n])
+            parts = [t for t in (prev, own) if t is not None]
+            pk = torch.cat(parts, 1) if len(parts) > 1 else parts[0] if parts else x.new_zeros(x.shape[0], 0, idx.head_dim)
+            kl_sum, _ = idx.kl_loss(x, q_latent, q_abs, kv, mixer.scale, selection=sel, dense=self._kl["dense"],
+                                    pk=pk, q_offset=s0, reduce=False)
+        return kl_sum * self._kl["scale"], prev, own
+
+    def _run(self, fn, block, state, sel, a, b, *more):
         if self.checkpoint_blocks:
-            return checkpoint(fn, block, state, sel, a, b, use_reentrant=False)
-        return fn(block, state, sel, a, b)
+            return checkpoint(fn, block, state, sel, a, b, *more, use_reentrant=False)
+        return fn(block, state, sel, a, b, *more)
 
 
 def _kda_block(block, state, sel, rec, conv):
@@ -225,8 +287,9 @@ def _kda_block(block, state, sel, rec, conv):
     return state, carry.recurrent, carry.conv
 
 
-def _dsa_block(block, state, sel, rows, forced):
-    """A DSA block over one chunk given the earlier latent rows; returns (state, selection, own rows)."""
-    prefix = LatentPrefix(rows)
+def _dsa_block(block, state, sel, rows, forced, want_kl=False):
+    """A DSA block over one chunk given the earlier latent rows; returns (state, selection, own rows,
+    the indexer KL's detached inputs or None)."""
+    prefix = LatentPrefix(rows, want_kl=want_kl)
     state, sel = block(state, sel, cache=prefix, forced_selection=forced)
-    return state, sel, prefix.new_rows
+    return state, sel, prefix.new_rows, prefix.kl_inputs
