@@ -36,15 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 S, B = 64, 2
 PLAIN = MemoryPlan.from_dict({"recompute": "off", "offload": "off"})
 RECOMPUTE = MemoryPlan.from_dict({"recompute": "on", "offload": "off"})
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster, and immune to a busy machine's thread contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cfg(residual="mhc", **kw):

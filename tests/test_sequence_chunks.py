@@ -17,13 +17,7 @@ from longctx.memory.plan import MemoryPlan, apply_plan
 from longctx.memory.sequence_chunks import SequenceChunker
 from longctx.model import LongCtxModel
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(residual="mhc", dtype=torch.float64, **kw):
