@@ -279,8 +279,13 @@ def format_report(e: dict) -> str:
     g = lambda b: f"{b / GIB:9.2f}"  # noqa: E731
     lines = [f"estimate: {e['seq_len']:,} tokens/sequence, CP {e['cp']}, {e['gpu']}, {e['params'] / 1e9:.3f}B parameters",
              f"plan: recompute={e['plan']['recompute']} offload={e['plan']['offload']} seq_chunk={e['plan']['seq_chunk']} "
-             f"sparse_kernel={e['plan']['sparse_kernel']} chunked_indexer={e['plan']['chunked_indexer']}", "",
-             f"{'component':<40}{'GiB':>9}"]
+             f"sparse_kernel={e['plan']['sparse_kernel']} chunked_indexer={e['plan']['chunked_indexer']}"]
+    c = int(e["plan"]["seq_chunk"]) if str(e["plan"]["seq_chunk"]).isdigit() else 0
+    S_local = -(-e["seq_len"] // e["cp"])
+    if 0 < c < S_local:
+        lines.append(f"sequence-chunked step: {-(-S_local // c)} chunks of {c:,} tokens, carries between them "
+                     f"(longctx/memory/sequence_chunks.py); 'one chunk' rows are per chunk")
+    lines += ["", f"{'component':<40}{'GiB':>9}"]
     for title, part in (("static", e["static"]), ("kept for backward (GPU)", e["kept_gpu"]),
                         ("kept for backward (host, offloaded)", e["kept_host"]), ("working set at the peak block", e["working"])):
         if not part:
