@@ -32,3 +32,16 @@ def did_you_mean(name: str, choices) -> str:
     """' did you mean X?' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else ""
+
+
+_FALLBACKS_SAID: set[str] = set()
+
+
+def warn_fallback(msg: str, stacklevel: int = 3) -> None:
+    """A fast path declined on the GPU and a plain-torch twin runs instead: never silent. Said once
+    per process per message (RuntimeWarning); the step log's implementation report shows it too."""
+    if msg not in _FALLBACKS_SAID:
+        _FALLBACKS_SAID.add(msg)
+        import warnings
+
+        warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from longctx import errors
 from longctx.config import preset
 from longctx.errors import ConfigError
 from longctx.layers.residual import MHC
@@ -67,7 +68,7 @@ def test_unknown_loss_impl_raises():
 def test_auto_on_cuda_without_liger_warns_once_and_runs_torch(monkeypatch):
     fake_cuda = types.SimpleNamespace(is_cuda=True, device="cuda:0")
     monkeypatch.setattr(fused_loss, "liger_available", lambda: False)
-    monkeypatch.setattr(fused_loss, "_WARNED", set())
+    monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
     with pytest.warns(RuntimeWarning, match="liger-kernel is not importable"):
         assert fused_loss.resolve_loss_impl("auto", fake_cuda) == "torch"
     with warnings.catch_warnings():
@@ -144,7 +145,7 @@ def test_mhc_pick_impl_rules(monkeypatch):
 
     mhc = MHC(preset("tiny"))
     fake_cuda = types.SimpleNamespace(is_cuda=True, device="cuda:0")
-    monkeypatch.setattr(residual, "_WARNED", set())
+    monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
     assert residual.AUTO_USES_LIGER is False and mhc.pick_impl(fake_cuda) == "torch"  # auto: torch until the GPU test holds
     monkeypatch.setattr(residual, "AUTO_USES_LIGER", True)
     monkeypatch.setattr(mhc_liger, "liger_mhc_available", lambda: False)

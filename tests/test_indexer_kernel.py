@@ -26,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from longctx import errors
 from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch, select_pools
 
 
@@ -258,7 +259,7 @@ def test_layer_backend_switch(monkeypatch):
         assert ind.last_impl is None
     # no kernel importable: triton refuses, auto on CUDA warns once then runs torch, auto on CPU is silent
     monkeypatch.setattr(ki.indexer_ops, "kpool_topk_triton", None)
-    monkeypatch.setattr(ki, "_WARNED", set())
+    monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
     ind.backend = "triton"
     with pytest.raises(ConfigError, match="not importable"):
         ind._pick_backend(torch.device("cpu"))

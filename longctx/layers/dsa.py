@@ -13,19 +13,16 @@ O(S^2) masked baseline. No silent fallback between them or between backends.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, warn_fallback
 from ..ops import sparse_attention as sparse_ops
 from .kpool_indexer import GrowBuffer, IndexerCache, KPoolIndexer
 from .norms import RMSNorm
 
 ATTN_IMPLS = ("sparse", "dense")
 BACKENDS = ("auto", "torch", "triton")
-_WARNED: set[str] = set()
 
 
 class DSACache:
@@ -154,9 +151,8 @@ class SparseMLA(nn.Module):
                                   "sparse_attention_triton kernel here; set the backend to 'auto' or 'torch'.")
             self.last_impl = "dsa:triton-sparse"
             return kernel(q, kv, idx, self.scale)  # raises (naming the shape) on what it cannot take
-        if q.is_cuda and self.backend == "auto" and kernel is None and "dsa" not in _WARNED:
-            _WARNED.add("dsa")
-            warnings.warn("DSA runs the plain-torch sparse twin on CUDA because the Triton kernel is not importable; "
-                          "install triton or set backend=torch to accept it.", RuntimeWarning, stacklevel=2)
+        if q.is_cuda and self.backend == "auto" and kernel is None:
+            warn_fallback("DSA runs the plain-torch sparse twin on CUDA because the Triton kernel is not importable; "
+                          "install triton or set backend=torch to accept it.")
         self.last_impl = "dsa:torch-sparse"
         return sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk)

@@ -13,7 +13,6 @@ plain-torch twin elsewhere. Decoding carries a `KDAState` (the conv window and t
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, warn_fallback
 from ..ops.kda import (
     fla_available,
     fla_chunk_kda,
@@ -34,14 +33,6 @@ from ..ops.kda import (
 from .norms import GatedRMSNorm
 
 BACKENDS = ("auto", "torch", "fla", "triton")
-_WARNED: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    """A fallback on the GPU is never silent: say it once per process (the step log shows it too)."""
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)  # "triton" = the fla kernels (they are Triton)
 
 
 @dataclass
@@ -153,7 +144,7 @@ class KimiDeltaAttention(nn.Module):
                 )
             return "fla"
         if x.is_cuda and not fla_available():
-            _warn_once("KDA runs the plain-torch twin on CUDA because fla-core is not importable (much slower and "
+            warn_fallback("KDA runs the plain-torch twin on CUDA because fla-core is not importable (much slower and "
                        "more memory); install fla-core==0.6.0 (`pip install -e .[gpu]`) or set backend=torch to accept it.")
             return "torch"
         return "fla" if x.is_cuda else "torch"

@@ -34,19 +34,17 @@ No LM gradient reaches the indexer (selection runs under no_grad); its parameter
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import ConfigError
+from ..errors import ConfigError, warn_fallback
 from ..ops import indexer as indexer_ops
 
 _DEFAULT = object()
 BACKENDS = ("auto", "torch", "triton")
-_WARNED: set[str] = set()
 _EXPAND_ROWS = 8192  # queries per block when the kernel's pool ids are expanded into token indices
 
 
@@ -204,11 +202,9 @@ class KPoolIndexer(nn.Module):
         if device.type == "cuda":
             if kernel is not None:
                 return "triton"
-            if "indexer" not in _WARNED:
-                _WARNED.add("indexer")
-                warnings.warn("The k-pool indexer runs the plain-torch selection on CUDA because the Triton kernel is "
-                              "not importable (slower, O(chunk * S/P) fp32 scores); install triton or set backend=torch "
-                              "to accept it.", RuntimeWarning, stacklevel=3)
+            warn_fallback("The k-pool indexer runs the plain-torch selection on CUDA because the Triton kernel is "
+                          "not importable (slower, O(chunk * S/P) fp32 scores); install triton or set backend=torch "
+                          "to accept it.")
         return "torch"
 
     def _kernel_pools(self, x, q_latent, pk, n_pools: int, p0: int) -> torch.Tensor | None:

@@ -31,21 +31,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, warn_fallback
 from ..ops import mhc_liger
 
 RESIDUAL_IMPLS = ("auto", "torch", "liger")
 AUTO_USES_LIGER = False
-_WARNED: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    """A fallback on the GPU is never silent: say it once per process (`last_impl` shows it too)."""
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        import warnings
-
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,12 +86,12 @@ class MHC(nn.Module):
         if not streams.is_cuda or not self.recompute_cast or not AUTO_USES_LIGER:
             return "torch"
         if not mhc_liger.liger_mhc_available():
-            _warn_once(f"mHC runs the plain-torch path on CUDA because liger-kernel is not importable "
+            warn_fallback(f"mHC runs the plain-torch path on CUDA because liger-kernel is not importable "
                        f"({mhc_liger.import_error()}); install liger-kernel==0.8.5 (`pip install -e .[gpu]`) or set "
                        "residual_impl = 'torch' to accept it.")
             return "torch"
         if not mhc_liger.streams_supported(self.n):
-            _warn_once(f"mHC runs the plain-torch path on CUDA: liger's kernels take a power-of-two hc_streams <= "
+            warn_fallback(f"mHC runs the plain-torch path on CUDA: liger's kernels take a power-of-two hc_streams <= "
                        f"{mhc_liger.MAX_STREAMS}, not {self.n}; set residual_impl = 'torch' to accept it.")
             return "torch"
         return "liger"

@@ -31,7 +31,7 @@ import re
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, warn_fallback
 
 __all__ = [
     "LIGER_MIN_VERSION",
@@ -48,7 +48,6 @@ __all__ = [
 LOSS_IMPLS = ("auto", "torch", "liger")
 LIGER_MIN_VERSION = "0.8.5"  # the release read and tested here (per-token-correct reduction="none" backward)
 LIGER_ROWS_PER_CALL = 65536  # rows per liger call from the model (bounds liger's transient, see above)
-_WARNED: set[str] = set()
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -96,12 +95,6 @@ def liger_available() -> bool:
     return torch.cuda.is_available() and _import_error() is None
 
 
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        import warnings
-
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
 def resolve_loss_impl(impl: str, h: torch.Tensor, chunked: bool = True) -> str:
@@ -127,7 +120,7 @@ def resolve_loss_impl(impl: str, h: torch.Tensor, chunked: bool = True) -> str:
     if not h.is_cuda or not chunked:
         return "torch"
     if not liger_available():
-        _warn_once("the LM loss runs the plain-torch chunked head on CUDA because liger-kernel is not importable "
+        warn_fallback("the LM loss runs the plain-torch chunked head on CUDA because liger-kernel is not importable "
                    f"({_import_error()}); install liger-kernel=={LIGER_MIN_VERSION} (`pip install -e .[gpu]`) or set "
                    "loss_impl = 'torch' to accept it.")
         return "torch"
