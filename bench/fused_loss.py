@@ -32,7 +32,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timing import timed
+from timing import provenance, timed
 
 from longctx.model import LongCtxModel
 from longctx.ops import fused_loss
@@ -84,7 +84,6 @@ def inputs(rows: int, D: int, V: int, device, seed: int = 0):
 
 
 def run_gpu(args) -> dict:
-    import triton
 
     D, V = 1536, 32768
     rows_list = [65536] if args.quick else [int(r) for r in args.rows.split(",")]
@@ -97,13 +96,9 @@ def run_gpu(args) -> dict:
     from liger_kernel.ops import LigerFusedLinearCrossEntropyFunction
 
     res = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        **provenance(),
         "liger_kernel": fused_loss.liger_version(),
         "liger_flce_class": f"{LigerFusedLinearCrossEntropyFunction.__module__}.{LigerFusedLinearCrossEntropyFunction.__name__}",
-        "command": " ".join([sys.executable] + sys.argv),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "hidden": D, "vocab": V, "torch_loss_chunk": args.loss_chunk,
         "liger_rows_per_call": fused_loss.LIGER_ROWS_PER_CALL,
         "notes": "peak_extra_gib = max allocated during one fwd+bwd minus allocated before it (inputs, weight); "

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timing import timed
+from timing import provenance, timed
 
 from longctx.config import preset
 from longctx.layers.residual import MHC
@@ -73,7 +73,6 @@ def make_step(impl: str, mhc: MHC, streams, gain, noise, dout):
 
 
 def run_gpu(args) -> dict:
-    import triton
 
     if not mhc_liger.liger_mhc_available():
         raise SystemExit(f"liger-kernel's mHC ops are not importable here ({mhc_liger.import_error()}); put "
@@ -83,12 +82,8 @@ def run_gpu(args) -> dict:
     impls = args.impls.split(",")
     warmup, reps = (1, 3) if args.quick else (2, 5)
     res = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        **provenance(),
         "liger_kernel": mhc_liger.liger_version(),
-        "command": " ".join([sys.executable] + sys.argv),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "streams": cfg.hc_streams, "hidden": cfg.hidden_size, "sinkhorn_iters": cfg.hc_sinkhorn_iters,
         "notes": "peak_extra_gib = max allocated during one fwd+bwd minus allocated before it (streams, noise, dout, "
                  "parameters); it includes the gradients.",

@@ -12,7 +12,6 @@ Writes DIR/sparse_attention.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -25,10 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import triton
 from test_gpu_sparse_attention import causal_pool_indices
+from timing import provenance, timed
 
-from timing import timed  # noqa: E402  (bench/ is on sys.path when run as a script)
 from longctx.ops.sparse_attention import triton_kernel as tk
 
 D, K = 512, 2051
@@ -111,11 +109,7 @@ def main():
     warmup, reps = (1, 3) if args.quick else (2, 5)
 
     res = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "command": " ".join([sys.executable] + sys.argv),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        **provenance(),
         "D": D,
         "K": K,
         "flops_note": "fwd 2*K*H*(D+D) per query (nominal K, -1 slots counted), bwd 2.5x fwd",

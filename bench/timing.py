@@ -1,8 +1,11 @@
-"""Shared timing for the benchmarks: CUDA events after warm-up, the median."""
+"""Shared by the benchmarks: timing (CUDA events after warm-up, the median) and the provenance every
+results JSON starts with (GPU, versions, command, date)."""
 
 from __future__ import annotations
 
+import datetime
 import statistics
+import sys
 import time
 
 import torch
@@ -30,3 +33,13 @@ def timed(fn, warmup: int, reps: int, device: str = "cuda") -> float:
             fn()
             ms.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(ms)
+
+
+def provenance(gpu: str | None = None) -> dict:
+    """The head of a results JSON: which GPU (default: the current CUDA device), torch and triton
+    versions, the command line and the date."""
+    import triton
+
+    return {"gpu": gpu if gpu is not None else torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "command": " ".join([sys.executable] + sys.argv),
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}

@@ -47,8 +47,13 @@ def _require(*tensors: torch.Tensor) -> None:
             raise RuntimeError(f"the fla KDA backend runs on CUDA tensors only; got a tensor on {t.device}. Use backend='torch'.")
 
 
-def _gate_kwargs(A_log, dt_bias, lower_bound):
-    return {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias, "lower_bound": lower_bound}
+def _common_kwargs(q, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state, cu_seqlens) -> dict:
+    """What both fla entry points take alike: the gate in the kernel, L2-normalised q/k, an fp32
+    initial state and int64 cu_seqlens on q's device."""
+    return {"scale": scale, "use_qk_l2norm_in_kernel": True, "output_final_state": output_final_state,
+            "initial_state": None if initial_state is None else initial_state.float(),
+            "cu_seqlens": None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long),
+            "use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias, "lower_bound": lower_bound}
 
 
 def fla_chunk_kda(
@@ -63,20 +68,11 @@ def fla_chunk_kda(
         raise ValueError(f"the fla KDA kernel takes chunk_size 32 or 64; got {chunk_size}. Set model.kda_chunk_size to 64.")
     if q.shape[-1] > 256:
         raise ValueError(f"the fla KDA kernel takes head_dim <= 256; got q {tuple(q.shape)}.")
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
-    if initial_state is not None:
-        initial_state = initial_state.float()
     return chunk_kda(
         q, k, v, g_raw, beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=True,
         safe_gate=lower_bound is not None and -5.0 <= lower_bound < 0.0,
-        cu_seqlens=cu_seqlens,
         chunk_size=chunk_size,
-        **_gate_kwargs(A_log, dt_bias, lower_bound),
+        **_common_kwargs(q, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state, cu_seqlens),
     )
 
 
@@ -90,16 +86,7 @@ def fla_recurrent_kda(
     _require(q)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g_raw, beta, A_log, dt_bias)):
         raise RuntimeError("fla's fused_recurrent_kda has no backward; run decoding under torch.no_grad() or use backend='torch'.")
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
-    if initial_state is not None:
-        initial_state = initial_state.float()
     return fused_recurrent_kda(
         q, k, v, g_raw, beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_seqlens,
-        **_gate_kwargs(A_log, dt_bias, lower_bound),
+        **_common_kwargs(q, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state, cu_seqlens),
     )
