@@ -176,7 +176,13 @@ class Trainer:
 
     def _eval_forward(self):
         """The sequence-chunked forward when the memory plan trains the evaluation length in chunks
-        (a whole-sequence forward at 1M tokens would not fit either); None = one plain forward."""
+        (a whole-sequence forward at 1M tokens would not fit either); None = one plain forward.
+        Decided once: the memory settings and the evaluation length do not change during a run."""
+        if not hasattr(self, "_eval_fwd"):
+            self._eval_fwd = self._pick_eval_forward()
+        return self._eval_fwd
+
+    def _pick_eval_forward(self):
         from .memory.estimate import resolve_auto
         from .memory.plan import MemoryPlan
         from .memory.sequence_chunks import SequenceChunker

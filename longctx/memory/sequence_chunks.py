@@ -88,7 +88,7 @@ class SequenceChunker:
         C = min(self.chunk, S)
         if C < S:
             check_chunk(model, C)
-        bounds = [(s, min(S, s + C)) for s in range(0, S, C)]
+        bounds = self._bounds(S)
         n_tokens = (labels != -100).sum().clamp(min=1)
         carries, selections, caches = self._forward_sweep(model, input_ids, bounds)
         cfg, P = model.cfg, model.cfg.index_pool
@@ -163,12 +163,14 @@ class SequenceChunker:
     def token_losses(self, model, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token losses [B, S] of a forward over the sequence in chunks, no graph (evaluation at
         a length whose training step is chunked): the forward sweep alone, the head on each chunk."""
-        S = input_ids.shape[1]
-        C = min(self.chunk, S)
-        bounds = [(s, min(S, s + C)) for s in range(0, S, C)]
         losses = []
+        bounds = self._bounds(input_ids.shape[1])
         self._forward_sweep(model, input_ids, bounds, labels=labels, losses=losses)
         return torch.cat(losses, 1)
+
+    def _bounds(self, S: int) -> list[tuple[int, int]]:
+        C = min(self.chunk, S)
+        return [(s, min(S, s + C)) for s in range(0, S, C)]
 
     # ------------------------------------------------------------------ the two sweeps
     @torch.no_grad()
