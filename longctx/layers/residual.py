@@ -81,7 +81,7 @@ class MHC(nn.Module):
             return "liger"
         # auto stays on torch: on the H200 liger's ops match ours (out 3.3e-3, d_streams 3.9e-3 rel-RMS, bench/mhc.py)
         # but a tiny bf16 model's gradients differ by 5.5% rel-RMS from the torch path, about the torch path's own
-        # bf16 drift from fp32 (6.5% on the CPU); liger stays opt-in until tests/test_gpu_mhc.py, which compares
+        # bf16 drift from fp32 (6.5% on the CPU, bench/bf16_drift.py); liger stays opt-in until tests/test_gpu_mhc.py, which compares
         # both against fp32, has passed on the GPU.
         if not streams.is_cuda or not self.recompute_cast or not AUTO_USES_LIGER:
             return "torch"
