@@ -362,6 +362,30 @@ class Bench:
         r = self.measure(self.all_on(S), S, 1)
         self.log(f"warm-up at {S}: {r['status']}")
 
+    def profile(self, S: int):
+        """One warm all-on step at S under torch.profiler: OUT/profile_<S>.txt, kernels by GPU time."""
+        policy = apply_plan(self.model, self.all_on(S))
+        ids, labels = self.batch(S)
+        self._one_step(policy, ids, labels)  # warm: this length's compiles and autotuning
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            self._one_step(policy, ids, labels)
+            torch.cuda.synchronize()
+            step_s = time.perf_counter() - t0
+        ka = prof.key_averages()
+        table = None
+        for key in ("self_device_time_total", "self_cuda_time_total"):
+            try:
+                table = ka.table(sort_by=key, row_limit=60, max_name_column_width=90)
+                break
+            except Exception:  # noqa: BLE001 - the key's name changed across torch versions
+                continue
+        path = self.out / f"profile_{S}.txt"
+        path.write_text(f"{self.res['command']}\nstep {step_s:.3f} s under the profiler at S={S}\n\n{table}\n")
+        self.log(f"profile at {S}: step {step_s:.2f} s, wrote {path}")
+        self._cleanup(policy)
+
     def runs(self, lens, configs):
         done = {(r["config"], r["seq_len"]) for r in self.res["runs"]}
         oom_at = {}
@@ -536,6 +560,7 @@ def main(argv=None) -> int:
     ap.add_argument("--offload-seqlen", type=int, help="sequence length of pinned vs pageable (default 256k; quick 32k)")
     ap.add_argument("--resume", action="store_true", help="keep OUT/memory.json's results and add the missing ones")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--profile", type=int, metavar="S", help="after the runs, profile one warm all-on step at S tokens")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first step (the first run then includes compilation)")
     a = ap.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
@@ -564,9 +589,11 @@ def main(argv=None) -> int:
         b.log(f"{b.res['gpu']}: {b.res['preset']}, {b.res['params']['total'] / 1e6:,.1f}M parameters, "
               f"capacity {b.dev.capacity / GIB:.3g} GiB")
         if not a.no_warmup:
-            b.warmup(min(lens))
+            b.warmup(min(lens) if a.cpu_smoke else min(min(lens), 8 * K))
         if "runs" in parts:
             b.runs(lens, configs)
+        if a.profile and not a.cpu_smoke:
+            b.profile(a.profile)
         if "baseline" in parts:
             b.baseline_max(256 if a.cpu_smoke else 4 * K, 4 * K if a.cpu_smoke else 2048 * K)
         if "offload" in parts:
