@@ -3,6 +3,7 @@
     python bench/memory.py --out bench/results [--quick] [--seqlens 8192,32768] [--configs all_on,recompute_off]
                            [--parts runs,baseline,offload,host] [--resume]
     python bench/memory.py --cpu-smoke --out DIR      # every code path at tiny sizes on the CPU (a CI test)
+    python bench/memory.py --report bench/results/memory_runs/*.json --out bench/results   # CPU: merge, no run
 
 Model h200-ref (fp32 master weights, bf16 autocast, backend "auto"), batch 1, random tokens. One
 step = forward + backward + AdamW step + router-balance update + the policy's end_step. For every
@@ -28,6 +29,21 @@ The recompute's second forward is not counted: MFU counts the model's work, not 
 mode counting live tensors) standing in for the CUDA allocator's peak and a small fake capacity,
 so that OOMs happen and are handled. OUT/memory.json is rewritten after every measurement (a run
 cut short keeps what it has; --resume continues it); OUT/memory.png is drawn at the end.
+
+--report FILE... (CPU only, nothing is run) merges the memory.json files of several invocations,
+e.g. the per-call H200 results in bench/results/memory_runs/ (named 1_, 2_, 3_... in call order),
+into OUT/memory.json, OUT/memory.png and OUT/memory_table.md (also printed). Precedence, one rule:
+the files are taken in the order of their names (whatever order they are given in) and a later
+file's run replaces an earlier file's run of the same (config, seq_len), whatever either holds: a
+run with a "note" is a valid run like any other, and a later run marked "superseded" still replaces
+the earlier one. Each merged run records its "source" file (and "replaces": the files it replaced).
+The header (gpu, versions, capacity, model, ...) is the last file's, "invocations" are concatenated,
+and each of baseline_max_context, host_memory_with_offload, offload_pinned_vs_pageable is the last
+file's that has it (with its "source"). Runs carrying "superseded" stay in the JSON but are left
+out of the figure and the table (listed under it with the reason). The table's estimates are
+recomputed with the current estimator (`longctx estimate`, gpu h200, bf16 activations) from each
+run's resolved plan, not the values recorded at run time; error = (estimate - peak allocated) /
+peak allocated.
 """
 
 from __future__ import annotations
@@ -379,8 +395,8 @@ class Bench:
             try:
                 table = ka.table(sort_by=key, row_limit=60, max_name_column_width=90)
                 break
-            except Exception:  # noqa: BLE001 - the key's name changed across torch versions
-                continue
+            except Exception as e:  # noqa: BLE001 - the key's name changed across torch versions
+                table = f"(no kernel table: {e})"
         path = self.out / f"profile_{S}.txt"
         path.write_text(f"{self.res['command']}\nstep {step_s:.3f} s under the profiler at S={S}\n\n{table}\n")
         self.log(f"profile at {S}: step {step_s:.2f} s, wrote {path}")
@@ -498,7 +514,9 @@ def _line(r: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- the figure
-def figure(res: dict, path: Path):
+def figure(res: dict, path: Path, estimates: dict | None = None):
+    """Peak allocated vs S, a line per config; runs marked "superseded" are left out. `estimates`:
+    {(config, seq_len): GiB} to draw for all_on instead of the estimates recorded in the runs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -506,7 +524,7 @@ def figure(res: dict, path: Path):
 
     fig, ax = plt.subplots(figsize=(8, 5))
     cap = res["capacity_gib"]
-    runs = res["runs"]
+    runs = [r for r in res["runs"] if "superseded" not in r]
     names = [n for n in CONFIGS if any(r["config"] == n for r in runs)]
     for i, name in enumerate(names):
         rs = sorted((r for r in runs if r["config"] == name), key=lambda r: r["seq_len"])
@@ -524,7 +542,8 @@ def figure(res: dict, path: Path):
             color = f"C{i % 10}"
         if oom:
             ax.scatter(oom, [cap * 1.04] * len(oom), marker="x", color=color, label=None if ok else f"{name} (oom)")
-    allon = sorted((r["seq_len"], r["estimate_gib"]) for r in runs if r["config"] == "all_on")
+    allon = sorted((r["seq_len"], (estimates or {}).get(("all_on", r["seq_len"]), r["estimate_gib"]))
+                   for r in runs if r["config"] == "all_on")
     if allon:
         ax.plot([s for s, _ in allon], [g for _, g in allon], ls=":", color="k", lw=1, label="all_on, estimate")
     bl = res.get("baseline_max_context")
@@ -538,11 +557,190 @@ def figure(res: dict, path: Path):
     ax.set_xlabel("sequence length (tokens, batch 1)")
     ax.set_ylabel("peak allocated (GiB)")
     ax.set_title(f"{res['preset']} one training step on {res['gpu']} (x = out of memory)", fontsize=9)
-    ax.legend(fontsize=6, ncol=2, loc="upper left")
+    ax.legend(fontsize=6, ncol=2, loc="lower right")  # (upper left hid the OOM marks at 32k)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- the report (CPU)
+SECTIONS = ("baseline_max_context", "host_memory_with_offload", "offload_pinned_vs_pageable")
+
+
+def merge(paths) -> dict:
+    """One result from several memory.json files (the rule: see the module docstring)."""
+    paths = sorted((Path(p) for p in paths), key=lambda p: p.name)
+    header, invocations, runs, sections = {}, [], {}, {}
+    for p in paths:
+        d = json.loads(p.read_text())
+        header = {k: v for k, v in d.items() if k not in ("invocations", "runs", "merged_from", *SECTIONS)}
+        invocations += [{**inv, "source": p.name} for inv in d.get("invocations", [])]
+        for r in d.get("runs", []):
+            key = (r["config"], r["seq_len"])
+            new = {k: v for k, v in r.items() if k != "replaces"} | {"source": p.name}
+            if key in runs:
+                old = runs[key]
+                new["replaces"] = [*old.get("replaces", []), old["source"]]
+            runs[key] = new
+        for k in SECTIONS:
+            if k in d:
+                sections[k] = {**d[k], "source": p.name}
+    return {**header, "merged_from": [p.name for p in paths], "invocations": invocations,
+            "runs": list(runs.values()), **sections}
+
+
+def _estimator_version() -> str:
+    """Which estimator the report used: the last commit of longctx/memory/, and whether it has changes."""
+    import subprocess
+
+    def git(*args):
+        r = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    last = git("log", "-1", "--format=%h", "--", "longctx/memory")
+    if not last:
+        return "longctx/memory/ (not in a git checkout)"
+    dirty = git("status", "--porcelain", "--", "longctx/memory")
+    return f"longctx/memory/ as of commit {last}" + (" plus uncommitted changes" if dirty else "")
+
+
+def _f(x, fmt: str = ".2f") -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def _err(est_gib, measured) -> str:
+    return "" if not measured else f"{100 * (est_gib - measured) / measured:+.1f}%"
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+STATUS_TEXT = {"same_as_all_on": "= all_on", "skipped_after_oom": "skipped (oom before)"}
+
+
+def report_text(res: dict, estimates: dict, cfg) -> str:
+    """OUT/memory_table.md: the runs table, what was left out, the notes, baseline and host memory."""
+    files = res["merged_from"]
+    call = {f: str(i + 1) for i, f in enumerate(files)}
+    order = {n: i for i, n in enumerate(CONFIGS)}
+    shown = sorted((r for r in res["runs"] if "superseded" not in r),
+                   key=lambda r: (r["seq_len"], order.get(r["config"], len(order)), r["config"]))
+    params = res.get("params") or {}
+    title = (f"# Memory: {res.get('preset')} one training step on {res.get('gpu')} "
+             f"({_f(res.get('capacity_gib'), '.1f')} GiB)")
+    intro = (f"{_f(params.get('total', 0) / 1e6, ',.1f')}M parameters ({_f(params.get('active', 0) / 1e6, ',.1f')}M "
+             f"active per token), {res.get('autocast')} autocast, batch 1, one step = forward + backward + AdamW. "
+             f"MFU against {_f(res.get('peak_tflops'), '.0f')} TFLOP/s. Estimate: `longctx estimate` of the run's "
+             f"resolved plan, recomputed with the current estimator ({_estimator_version()}); "
+             "error = (estimate - peak allocated) / peak "
+             "allocated. \"from\": the call whose file holds the run (a later call's run of the same config and "
+             "length replaces an earlier one's).")
+    out = [title, "", intro, "", "Calls: " + "; ".join(f"{call[f]} = {f}" for f in files), ""]
+    notes: dict[str, int] = {}
+    rows = []
+    for r in shown:
+        mark = ""
+        if r.get("note"):
+            mark = f"[{notes.setdefault(r['note'], len(notes) + 1)}]"
+        e = estimates[(r["config"], r["seq_len"])]
+        ok = r["status"] == "ok"
+        pa = r.get("peak_allocated_gib") if ok else None
+        rows.append([r["config"], f"{r['seq_len']:,}", STATUS_TEXT.get(r["status"], r["status"]),
+                     _f(pa), _f(r.get("peak_reserved_gib") if ok else None), _f(e), _err(e, pa) if ok else "",
+                     _f(r.get("step_s") if ok else None), _f(r.get("tokens_per_s") if ok else None, ",.0f"),
+                     _f(100 * r["mfu"] if ok and r.get("mfu") is not None else None, ".1f"),
+                     call.get(r.get("source"), "?"), mark])
+    out += _md_table(["config", "tokens", "status", "peak alloc GiB", "peak reserved GiB", "estimate GiB",
+                      "est. error", "step s", "tokens/s", "MFU %", "from", "note"], rows)
+    left = [r for r in res["runs"] if "superseded" in r]
+    if left:
+        out += ["", "left out:"]
+        out += [f"- {r['config']} at {r['seq_len']:,} (call {call.get(r.get('source'), '?')}): {r['superseded']}"
+                for r in sorted(left, key=lambda r: (r["seq_len"], order.get(r["config"], len(order))))]
+    if notes:
+        out += ["", "notes:"] + [f"- [{i}] {text}" for text, i in notes.items()]
+
+    bl = res.get("baseline_max_context")
+    base_plan = MemoryPlan.baseline()
+    if bl:
+        start = bl["attempts"][0]["seq_len"] if bl.get("attempts") else 4 * K
+        pred, S = None, start
+        while S <= 64 * 2048 * K and est.estimate(cfg, S, base_plan, 1, "h200", 2)["fits"]:
+            pred, S = S, 2 * S
+        out += ["", f"## Baseline (every switch off): longest context (call {call.get(bl.get('source'), '?')})", "",
+                f"max_ok {_f(bl.get('max_ok'), ',')} tokens; the estimate's max {_f(bl.get('estimate_max'), ',')} "
+                f"(recorded), {_f(pred, ',')} (estimator now)." + (f" Note: {bl['note']}" if bl.get("note") else ""),
+                ""]
+        arows = []
+        for a in bl.get("attempts", []):
+            e = est.estimate(cfg, a["seq_len"], base_plan, 1, "h200", 2)["gpu_bytes"] / GIB
+            ok = a["status"] == "ok"
+            arows.append([f"{a['seq_len']:,}", a["status"], _f(a.get("peak_allocated_gib") if ok else None),
+                          _f(a.get("peak_reserved_gib") if ok else None), _f(e),
+                          _err(e, a.get("peak_allocated_gib")) if ok else "", _f(a.get("step_s") if ok else None)])
+        out += _md_table(["tokens", "status", "peak alloc GiB", "peak reserved GiB", "estimate GiB", "est. error",
+                          "step s"], arows)
+
+    h = res.get("host_memory_with_offload")
+    if h:
+        rss, pinned, steps = h.get("rss_gib") or [], h.get("pinned_gib") or [], h.get("step_s") or []
+        owned = [p.get("owned") if p else None for p in pinned]
+        plan = h.get("plan") or {}
+        if owned and len(set(owned)) == 1:
+            owned_text = f"{_f(owned[0])} after every one of the {len(owned)} steps"
+        else:
+            owned_text = ", ".join("n/a" if o is None else f"{o:.2f}" for o in owned) or "n/a"
+        what = (f"- {h.get('steps')} steps at {_f(h.get('seq_len'), ',')} tokens, offload={plan.get('offload')} "
+                f"blocks, pin_memory={plan.get('pin_memory')}: {h.get('status')}; offloaded "
+                f"{_f(h.get('offloaded_gib_per_step'))} GiB per step")
+        rss_text = (f"- host RSS: first {_f(rss[0] if rss else None)} GiB, last {_f(rss[-1] if rss else None)} GiB "
+                    f"(growth {_f(h.get('rss_growth_gib'), '+.3f')} GiB)")
+        step_text = (f"- step time: median {_f(statistics.median(steps) if steps else None)} s "
+                     f"(first {_f(steps[0] if steps else None)} s)")
+        out += ["", f"## Host memory with offload (call {call.get(h.get('source'), '?')})", "",
+                what, rss_text, f"- pinned owned (GiB): {owned_text}", step_text]
+        if h.get("note"):
+            out.append(f"- note: {h['note']}")
+
+    o = res.get("offload_pinned_vs_pageable")
+    if o:
+        out += ["", f"## Offload, pinned vs pageable (call {call.get(o.get('source'), '?')})", ""]
+        for name in ("pinned", "pageable", "no_offload"):
+            r = o.get(name) or {}
+            out.append(f"- {name}: {r.get('status')}, peak {_f(r.get('peak_allocated_gib'))} GiB, "
+                       f"step {_f(r.get('step_s'))} s")
+        if o.get("pageable_over_pinned_step"):
+            out.append(f"- pageable / pinned step time: {o['pageable_over_pinned_step']:.2f}x")
+
+    best = max((r["seq_len"] for r in shown if r["config"] == "all_on" and r["status"] == "ok"), default=None)
+    base = (bl or {}).get("max_ok")
+    ratio = f"{best:,} / {base:,} = {best / base:.0f}x" if best and base else "n/a (a side is missing)"
+    out += ["", f"Max context, all_on / baseline: {ratio}", ""]
+    return "\n".join(out)
+
+
+def report(files, out: Path) -> int:
+    """--report: merge `files`, write OUT/memory.json, memory.png, memory_table.md; print the table."""
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        print(f"error: --report: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    res = merge(files)
+    cfg = preset("h200-ref")
+    estimates = {(r["config"], r["seq_len"]): est.estimate(cfg, r["seq_len"], MemoryPlan.from_dict(r["plan"]),
+                                                           1, "h200", 2)["gpu_bytes"] / GIB
+                 for r in res["runs"]}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory.json").write_text(json.dumps(res, indent=1) + "\n")
+    figure(res, out / "memory.png", estimates)
+    text = report_text(res, estimates, cfg)
+    (out / "memory_table.md").write_text(text)
+    print(text, end="")
+    return 0
+
 
 
 # ----------------------------------------------------------------------------- main
@@ -562,8 +760,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--profile", type=int, metavar="S", help="after the runs, profile one warm all-on step at S tokens")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first step (the first run then includes compilation)")
+    ap.add_argument("--report", nargs="+", metavar="FILE", help="merge these memory.json files into OUT "
+                    "(memory.json, memory.png, memory_table.md); CPU only, nothing is run")
     a = ap.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
+    if a.report:
+        return report(a.report, Path(a.out))
     if not a.cpu_smoke and not torch.cuda.is_available():
         print("error: bench/memory.py needs a CUDA GPU (or --cpu-smoke).", file=sys.stderr)
         return 2

@@ -1,0 +1,115 @@
+"""bench/memory.py --report: merging per-call result files on the CPU (no model is run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from longctx.config import preset
+from longctx.memory.estimate import auto_plan
+from longctx.memory.plan import MemoryPlan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "bench" / "memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _header(command: str) -> dict:
+    """The keys every memory.json starts with (as bench/results/memory_runs/*.json)."""
+    return {"gpu": "NVIDIA H200", "device": "cuda", "capacity_gib": 139.8,
+            "versions": {"python": "3.12.3", "torch": "2.11.0", "cuda": "13.0", "triton": "3.6.0", "fla": "0.6.0"},
+            "command": command, "date": "2026-11-30T10:00:00+00:00", "preset": "h200-ref",
+            "params": {"total": 1530025716, "active": 440030964}, "autocast": "bfloat16", "peak_tflops": 778.0,
+            "model": {}, "invocations": [{"command": command, "date": "2026-11-30T10:00:00+00:00"}]}
+
+
+def _run(config: str, S: int, status: str, peak: float | None = None, **extra) -> dict:
+    plan = auto_plan(preset("h200-ref"), S, MemoryPlan(), 1, "h200", 2)[0]
+    r = {"config": config, "seq_len": S, "plan": plan.to_dict(), "estimate_gib": 50.0, "estimate_host_gib": 0.0,
+         "estimate_fits": True, "status": status}
+    if status == "ok":
+        r.update(peak_allocated_gib=peak, peak_reserved_gib=peak + 2, step_s=0.5, step_s_all=[0.5],
+                 tokens_per_s=S / 0.5, mfu=0.05, model_tflop={"total": 20.0}, host_rss_gib=2.5, loss=10.0,
+                 impl="dsa:triton x3")
+    elif status == "oom":
+        r.update(error="CUDA out of memory.", host_rss_gib=2.5)
+    r.update(extra)
+    return r
+
+
+def _rows(md: str) -> dict:
+    """The main table's rows: (config, tokens) -> cells."""
+    rows = {}
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 12 and cells[1].replace(",", "").isdigit():
+            rows[(cells[0], int(cells[1].replace(",", "")))] = cells
+    return rows
+
+
+def test_report_merges_later_file_wins(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    first = {**_header("bench/memory.py --seqlens 8192,32768"),
+             "runs": [_run("all_on", 8192, "ok", 40.0), _run("all_on", 32768, "ok", 90.0),
+                      _run("loss_chunk_off", 8192, "ok", 42.0)],
+             "baseline_max_context": {"max_ok": 8192, "estimate_max": 16384, "attempts": [
+                 {"seq_len": 8192, "estimate_gib": 60.0, "estimate_host_gib": 0.0, "estimate_fits": True,
+                  "status": "ok", "peak_allocated_gib": 77.0, "peak_reserved_gib": 80.0, "step_s": 1.0},
+                 {"seq_len": 16384, "estimate_gib": 100.0, "estimate_host_gib": 0.0, "estimate_fits": True,
+                  "status": "oom", "error": "CUDA out of memory."}]}}
+    second = {**_header("bench/memory.py --seqlens 8192"),
+              "runs": [_run("all_on", 8192, "ok", 39.0, note="warm second step"),
+                       _run("loss_chunk_off", 8192, "ok", 41.0, superseded="the switch did nothing"),
+                       _run("sparse_kernel_off", 32768, "oom"),
+                       _run("recompute_off", 8192, "same_as_all_on")],
+              "host_memory_with_offload": {"seq_len": 8192, "steps": 2, "status": "ok", "rss_gib": [2.5, 2.6],
+                                           "pinned_gib": [{"owned": 0.0, "active": 1.0}, {"owned": 0.0, "active": 2.0}],
+                                           "step_s": [3.0, 1.0], "plan": {"offload": "12", "pin_memory": True},
+                                           "offloaded_gib_per_step": 1.5, "rss_growth_gib": 0.1}}
+    f1, f2 = runs / "1_first.json", runs / "2_second.json"
+    f1.write_text(json.dumps(first))
+    f2.write_text(json.dumps(second))
+    out = tmp_path / "out"
+    # given in reverse: the files are merged in the order of their names
+    assert _bench().main(["--report", str(f2), str(f1), "--out", str(out)]) == 0
+
+    res = json.loads((out / "memory.json").read_text())
+    assert res["merged_from"] == ["1_first.json", "2_second.json"]
+    assert [i["source"] for i in res["invocations"]] == ["1_first.json", "2_second.json"]
+    by_key = {(r["config"], r["seq_len"]): r for r in res["runs"]}
+    assert len(res["runs"]) == 5
+    assert by_key["all_on", 8192]["peak_allocated_gib"] == 39.0  # the later file's run wins
+    assert by_key["all_on", 8192]["source"] == "2_second.json"
+    assert by_key["all_on", 8192]["replaces"] == ["1_first.json"]
+    assert by_key["all_on", 32768]["source"] == "1_first.json"  # only in the first file: kept
+    assert "superseded" in by_key["loss_chunk_off", 8192]  # superseded: kept in the JSON
+    assert res["baseline_max_context"]["source"] == "1_first.json"
+    assert res["host_memory_with_offload"]["source"] == "2_second.json"
+
+    md = (out / "memory_table.md").read_text()
+    assert capsys.readouterr().out.strip() == md.strip()  # the table is printed as written
+    rows = _rows(md)
+    assert set(rows) == {("all_on", 8192), ("recompute_off", 8192), ("all_on", 32768), ("sparse_kernel_off", 32768)}
+    assert list(rows) == [("all_on", 8192), ("recompute_off", 8192), ("all_on", 32768), ("sparse_kernel_off", 32768)]
+    assert rows["all_on", 8192][3] == "39.00" and rows["all_on", 8192][10] == "2"
+    assert rows["all_on", 32768][3] == "90.00" and rows["all_on", 32768][10] == "1"
+    assert rows["recompute_off", 8192][2] == "= all_on"
+    assert rows["sparse_kernel_off", 32768][2] == "oom" and rows["sparse_kernel_off", 32768][3] == ""
+    est = float(rows["all_on", 8192][5])
+    assert est > 0 and rows["all_on", 8192][6] == f"{100 * (est - 39.0) / 39.0:+.1f}%"
+    # the superseded run is left out of the table and listed below it, with its reason
+    assert "- loss_chunk_off at 8,192 (call 2): the switch did nothing" in md
+    # the note's footnote: a marker in the row, the text once below the table
+    assert rows["all_on", 8192][11] == "[1]" and rows["all_on", 32768][11] == ""
+    assert md.count("warm second step") == 1 and "- [1] warm second step" in md
+    assert "max_ok 8,192 tokens" in md and "first 2.50 GiB, last 2.60 GiB" in md
+    assert "median 2.00 s" in md
+    assert "Max context, all_on / baseline: 32,768 / 8,192 = 4x" in md
+    assert (out / "memory.png").stat().st_size > 1000
