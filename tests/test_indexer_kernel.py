@@ -233,6 +233,51 @@ def test_layer_triton_backend_matches_torch_decoding(interp_results):
     assert r["full_equal_last"], r
 
 
+def test_gpu_structure_check_accepts_the_twin_and_rejects_broken_layouts():
+    """The layout checker of the GPU rounding tests, run on the torch twin's output (must pass) and
+    on three corruptions of it (must each fail)."""
+    from test_gpu_indexer import check_structure
+
+    from longctx.ops.indexer import kpool_topk_torch
+
+    S, H, D, P, K = 300, 4, 16, 4, 32
+    g = torch.Generator().manual_seed(0)
+    q, pk, w = torch.randn(1, S, H, D, generator=g), torch.randn(1, S // P, D, generator=g), torch.randn(1, S, H, generator=g)
+    out = kpool_topk_torch(q, w, pk, P, K, chunk=64)
+    check_structure(out, P, K)
+    swapped = out.clone()
+    swapped[0, -1, [0, 1]] = swapped[0, -1, [1, 0]]
+    hole = out.clone()
+    hole[0, -1, 3] = -1
+    early = out.clone()
+    early[0, 40, :] = torch.roll(early[0, 40, :], 1)  # row 40 has 10 picks: a -1 moves to the front
+    for bad, msg in ((swapped, "ascending"), (hole, "number of picks"), (early, "-1 before")):
+        with pytest.raises(AssertionError, match=msg):
+            check_structure(bad, P, K)
+
+
+def test_unchunked_switch_runs_torch_under_auto_even_where_the_kernel_would_run(monkeypatch):
+    """The memory plan's chunked-indexer switch off (chunk None) is the plain baseline: under
+    backend auto it runs the unchunked torch scoring also where auto picks the kernel (CUDA), so
+    the ablation measures what it says. Chunked, the same layer goes to the kernel."""
+    ind, x, ql = layer_problem(1, 30, 2, 8, 8, 4, seed=0)
+    ref = ind.select(x, ql, chunk=None)
+    monkeypatch.setattr(ind, "_pick_backend", lambda device: "triton")  # what auto answers on CUDA
+
+    class KernelCalled(Exception):
+        pass
+
+    def kernel(*a, **k):
+        raise KernelCalled
+
+    monkeypatch.setattr(ind, "_kernel_pools", kernel)
+    ind.chunk = None
+    assert torch.equal(ind.select(x, ql), ref) and ind.last_impl == "indexer:torch-unchunked"
+    ind.chunk = 8
+    with pytest.raises(KernelCalled):
+        ind.select(x, ql)
+
+
 def test_layer_backend_switch(monkeypatch):
     """auto on the CPU is torch; triton on the CPU without the interpreter and unknown names are
     ConfigErrors; auto on CUDA without an importable kernel warns once and runs torch."""

@@ -11,7 +11,10 @@ the fused kernel keeps no scores at all (its output, [S, topk/P] pool ids, is th
 Backends (`backend`, set by `LongCtxModel.set_backend`): "torch" scores `chunk` queries per pass
 in fp32 and keeps the best pools with torch.topk; "triton" is the fused kernel of
 `longctx.ops.indexer` (score + top-k in one launch over the whole sequence, no [S, S/P] scores);
-"auto" (the default) is the kernel on CUDA and torch on the CPU. A CUDA run that cannot import the
+"auto" (the default) is the kernel on CUDA and torch on the CPU, except with `chunk` None: the memory
+plan's chunked-indexer switch turned off asks for the plain unchunked indexer (the baseline's
+O(S x S/P) scores), which auto then runs in torch on CUDA too (`last_impl` says
+"indexer:torch-unchunked"). A CUDA run that cannot import the
 kernel says so once (RuntimeWarning) and runs torch; "triton" on CPU tensors without
 TRITON_INTERPRET=1 is a ConfigError, never a silent fallback. `last_impl` names what ran.
 
@@ -112,7 +115,8 @@ class KPoolIndexer(nn.Module):
         self.pool_ape = nn.Parameter(torch.zeros(self.pool, self.head_dim))
         self.pool_gate = nn.Parameter(torch.ones(self.head_dim, cfg.hidden_size))
         # Queries scored per pass by the torch backend (the memory plan's chunked-indexer switch);
-        # None = all at once. The triton backend scores the whole sequence in one launch.
+        # None = all at once, in torch also under backend auto on CUDA (the plain baseline). The
+        # triton backend scores the whole sequence in one launch.
         self.chunk: int | None = 256
         self.backend = "auto"
         self.last_impl: str | None = None
@@ -152,10 +156,12 @@ class KPoolIndexer(nn.Module):
         x [B, T, hidden] and q_latent [B, T, q_lora] are the T newest tokens; with a cache they
         follow its `length` earlier tokens and the indices are absolute positions. chunk: queries
         per pass of the torch backend (default `self.chunk`; None = all at once, the O(T * S/P)
-        baseline); the triton backend selects for all T queries in one launch and ignores it.
+        baseline, which backend auto then runs in torch on CUDA too); the triton backend selects for
+        all T queries in one launch and ignores it.
         """
         chunk = self.chunk if chunk is _DEFAULT else chunk
-        impl = self._pick_backend(x.device)
+        # chunk None under auto: the unchunked torch scoring was asked for (the plan's baseline switch)
+        impl = "torch" if chunk is None and self.backend == "auto" else self._pick_backend(x.device)
         B, T = x.shape[:2]
         P = self.pool
         k, gate = self.key_rows(x)

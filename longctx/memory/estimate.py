@@ -76,7 +76,8 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
         per += H * cfg.v_head_dim * a * 2
         out["dsa"] = S * per
         if not plan.sparse_kernel:
-            out["dsa dense scores"] = S * S * H * 4 // 2  # causal half of [H, S, S] fp32 probabilities
+            # the softmax output and its NaN-cleaned copy, both fp32 [H, S, S] (ops/sparse_attention/naive.py)
+            out["dsa dense scores"] = 2 * S * S * H * 4
     if mlp == "d":
         out["mlp"] = S * (D * a + 3 * cfg.intermediate_size * a)
     else:
@@ -87,9 +88,10 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
     return out
 
 
-def _fused_indexer(gpu: str) -> bool:
-    """On a GPU the indexer runs our fused Triton kernel (backend auto); on the CPU the torch twin."""
-    return gpu not in ("cpu", "smoke")
+def _fused_indexer(gpu: str, plan: MemoryPlan) -> bool:
+    """On a GPU the indexer runs our fused Triton kernel (backend auto); on the CPU, or with the
+    chunked-indexer switch off (the plain unchunked scoring), the torch twin."""
+    return gpu not in ("cpu", "smoke") and plan.chunked_indexer
 
 
 def _indexer_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, fused: bool = False, queries: int | None = None) -> int:
@@ -151,7 +153,7 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     C = plan.seq_chunk_tokens()
     n_chunks = -(-S // C)
     inner = dataclasses.replace(plan, seq_chunk="off", offload="0", recompute="on" if plan.recompute == "on" else "off")
-    e = estimate(cfg, min(C, S), inner, 1, gpu, a)
+    e = estimate(cfg, min(C, S), inner, 1, gpu, a, _in_chunks=True)
     kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
     L = cfg.kv_lora_rank
     kept = {}
@@ -167,10 +169,19 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
         kept[f"{name}, one chunk"] = b
     host = {f"layer {i} selection": S * cfg.index_width() * 4 for i, k in enumerate(kinds) if k == "D" and idx[i] == "f"}
     work = dict(e["working"])
-    if "D" in kinds:
-        work["indexer workspace"] = _indexer_workspace(cfg, S, plan, _fused_indexer(gpu), queries=C)
+    if "D" in kinds:  # counted at every backward phase, though only a DSA block's holds it (on the safe side)
         work["DSA prefix + grads (backward)"] = S * L * (a + a + 4)
-    gpu_bytes = (sum(e["static"].values()) + sum(kept.values()) + sum(work.values())) * ALLOCATOR_SLACK
+    backward = sum(e["static"].values()) + sum(kept.values()) + sum(work.values())
+    # the forward sweep: no gradients yet, the O(S) rows, a chunk's queries scored against all S/P pools
+    idx_ws = _indexer_workspace(cfg, S, plan, _fused_indexer(gpu, plan), queries=C) if "D" in kinds else 0
+    sweep = (e["static"]["parameters (fp32)"] + e["static"]["AdamW moments (fp32)"] + e["static"]["bf16 weight copies"]
+             + sum(v for k, v in kept.items() if "one chunk" not in k) + idx_ws)
+    if sweep > backward:
+        e["peak_phase"] = "the forward sweep (indexer)"
+        work = {"indexer workspace (forward sweep)": idx_ws}
+        kept = {k: v for k, v in kept.items() if "one chunk" not in k}
+        e["static"] = dict(e["static"], **{"gradients alive at the peak (fp32)": 0})
+    gpu_bytes = max(backward, sweep) * ALLOCATOR_SLACK
     host_bytes = sum(host.values())
     cap = GPUS[gpu]
     return dict(e, seq_len=S, plan=plan.to_dict(), kept_gpu=kept, kept_host=host, working=work, gpu_bytes=int(gpu_bytes),
@@ -178,18 +189,27 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
                 fits=gpu_bytes <= cap["memory"] * 0.97 and host_bytes <= cap["host"] * 0.8)
 
 
-def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200", act_bytes: int = 2) -> dict:
+def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200", act_bytes: int = 2,
+             _in_chunks: bool = False) -> dict:
     """The breakdown (bytes) for one step of S tokens per sequence split over `cp` GPUs.
-    `act_bytes`: bytes per activation element (2 under bf16 autocast; 4 for an fp32 model)."""
+    `act_bytes`: bytes per activation element (2 under bf16 autocast; 4 for an fp32 model).
+
+    The peak is the largest of the step's phases: the end of the forward (every kept tensor, the
+    autocast's bf16 weight copies, the loss), and the backward of each block, last to first (the
+    kept inputs of that block and the blocks before it; the gradients of the blocks after it and its
+    own, since they are created as backward reaches them; the block's working set). `_in_chunks`:
+    one chunk of a sequence-chunked step, where every gradient already exists (earlier chunks made
+    it) and the bf16 copies live through the whole step (it runs inside one autocast region)."""
     if gpu not in GPUS:
         raise ConfigError(f"--gpu {gpu!r} is unknown; choose one of {', '.join(GPUS)}.")
     S_local = -(-S // cp)
     if plan.seq_chunk_tokens() and plan.seq_chunk_tokens() < S_local:
         return dict(_estimate_chunked(cfg, S_local, plan, gpu, act_bytes), seq_len=S, cp=cp)
     n_params = _params(cfg)
-    static = {"parameters (fp32)": n_params * 4, "gradients (fp32)": n_params * 4,
-              "AdamW moments (fp32)": n_params * 8, "bf16 weight copies": n_params * 2}
     kinds, mlps = cfg.layer_kinds(), cfg.mlp_kinds()
+    L = len(kinds)
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    per_block_params = (n_params - cfg.vocab_size * cfg.hidden_size - head) / L
     width = {"mhc": cfg.hc_streams, "plain": 1, "attnres": cfg.attnres_blocks + 1}[cfg.residual]
     a = act_bytes
     state = S_local * width * cfg.hidden_size * a
@@ -200,29 +220,48 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     sel = S_local * cfg.index_width() * 4
     keeps_sel = _kept_selections(cfg, plan)
     kl = _indexer_kl_kept(cfg, S_local, a)
+    kept = []
     for i, (k, blk) in enumerate(zip(kinds, per_block)):
-        if recompute:
-            b = state + (sel if keeps_sel[i] else 0)
-        else:
-            b = state + sum(blk.values())
+        b = state + (sel if keeps_sel[i] else 0) if recompute else state + sum(blk.values())
         if k == "D" and cfg.indexer_kinds()[i] == "f":
             b += kl
         (kept_host if i < n_off else kept_gpu)[f"layer {i} ({k})"] = b
-    # the working set at the peak block: its activations (recomputed), their gradients, workspaces
-    work = {}
-    costliest = max(range(len(kinds)), key=lambda i: sum(per_block[i].values()))
-    if recompute:
-        work["recomputed block activations"] = sum(per_block[costliest].values())
-    work["state gradients (in flight)"] = 2 * state
-    work["indexer workspace"] = _indexer_workspace(cfg, S_local, plan, _fused_indexer(gpu)) if "D" in kinds else 0
-    work["MoE workspace"] = _moe_workspace(cfg, S_local, plan) if "m" in mlps else 0
-    work["LM head + loss"] = _loss_workspace(cfg, S_local, plan)
-    work["prefetched offload block"] = state if n_off else 0
-    total_gpu = (sum(static.values()) + sum(kept_gpu.values()) + sum(work.values())) * ALLOCATOR_SLACK
+        kept.append(0 if i < n_off else b)
+    idx_ws = _indexer_workspace(cfg, S_local, plan, _fused_indexer(gpu, plan)) if "D" in kinds else 0
+    moe_ws = _moe_workspace(cfg, S_local, plan) if "m" in mlps else 0
+    loss_ws = _loss_workspace(cfg, S_local, plan)
+    base = {"parameters (fp32)": n_params * 4, "AdamW moments (fp32)": n_params * 8}
+    bf16 = n_params * 2
+
+    # phase 1, the end of the forward: everything kept, the weight copies, the loss (the largest
+    # transient of the forward: loss, indexer or MoE workspace)
+    grads = (n_params if _in_chunks else head) * 4
+    fwd = {"LM head + loss": loss_ws, "indexer workspace": idx_ws, "MoE workspace": moe_ws}
+    top = max(fwd, key=fwd.get)
+    phases = [("the end of the forward (loss)", grads, bf16, L, {top: fwd[top]})]
+    # phase 2.., the backward of block i: recomputed activations, state gradients, workspaces
+    for i in reversed(range(L)):
+        grads = (n_params if _in_chunks else head + per_block_params * (L - i)) * 4
+        work = {"recomputed block activations": sum(per_block[i].values()) if recompute else 0,
+                "state gradients (in flight)": 2 * state,
+                "MoE workspace": moe_ws if mlps[i] == "m" else 0,
+                "indexer workspace": idx_ws if kinds[i] == "D" and recompute and not keeps_sel[i] else 0,
+                "prefetched offload block": state if i < n_off else 0}
+        phases.append((f"the backward of layer {i} ({kinds[i]})", grads, bf16 if _in_chunks else 0, i + 1, work))
+    best = None
+    for name, g, w16, n_kept, work in phases:
+        total = sum(base.values()) + g + w16 + sum(kept[:n_kept]) + sum(work.values())
+        if best is None or total > best[0]:
+            best = (total, name, g, w16, n_kept, work)
+    total, phase, g, w16, n_kept, work = best
+    static = dict(base, **{"gradients alive at the peak (fp32)": int(g), "bf16 weight copies": w16})
+    released = {f"kept by layers {n_kept}..{L - 1}, freed by then": -sum(kept[n_kept:])} if n_kept < L else {}
+    total_gpu = total * ALLOCATOR_SLACK
     host = sum(kept_host.values()) + (state if n_off else 0)
     cap = GPUS[gpu]
-    return {"seq_len": S, "cp": cp, "gpu": gpu, "plan": plan.to_dict(), "params": n_params,
-            "static": static, "kept_gpu": kept_gpu, "kept_host": kept_host, "working": work,
+    return {"seq_len": S, "cp": cp, "gpu": gpu, "plan": plan.to_dict(), "params": n_params, "peak_phase": phase,
+            "static": static, "kept_gpu": kept_gpu, "kept_host": kept_host,
+            "working": dict(released, **{k: v for k, v in work.items() if v}),
             "gpu_bytes": int(total_gpu), "host_bytes": int(host), "gpu_capacity": cap["memory"],
             "host_capacity": cap["host"], "fits": total_gpu <= cap["memory"] * 0.97 and host <= cap["host"] * 0.8}
 
@@ -287,12 +326,14 @@ def format_report(e: dict) -> str:
                      f"(longctx/memory/sequence_chunks.py); 'one chunk' rows are per chunk")
     lines += ["", f"{'component':<40}{'GiB':>9}"]
     for title, part in (("static", e["static"]), ("kept for backward (GPU)", e["kept_gpu"]),
-                        ("kept for backward (host, offloaded)", e["kept_host"]), ("working set at the peak block", e["working"])):
+                        ("kept for backward (host, offloaded)", e["kept_host"]), ("working set at the peak (and what is freed by then)", e["working"])):
         if not part:
             continue
         lines.append(f"-- {title}: {sum(part.values()) / GIB:.2f} GiB")
         for k, v in part.items():
             lines.append(f"   {k:<37}{g(v)}")
+    if e.get("peak_phase"):
+        lines.append(f"peak during {e['peak_phase']}")
     lines.append("")
     lines.append(f"{'GPU peak (x' + str(ALLOCATOR_SLACK) + ' allocator slack)':<40}{g(e['gpu_bytes'])}  of {e['gpu_capacity'] / GIB:.1f}")
     lines.append(f"{'host (offloaded inputs)':<40}{g(e['host_bytes'])}  of {e['host_capacity'] / GIB:.1f}")

@@ -2,7 +2,8 @@
 
     switch              on (default)                              off (`baseline`)
     sparse_kernel       DSA gathers only the selected latents     dense attention under the top-k mask, O(S^2)
-    chunked_indexer     score/select `indexer_chunk` queries/pass  all queries at once, O(S^2/P)
+    chunked_indexer     score/select `indexer_chunk` queries/pass  all queries at once in torch, O(S^2/P)
+                        (on CUDA the fused kernel, O(S x k))      (also on CUDA)
     recompute           full per-block recompute ("auto": when     every activation kept for backward
                         the estimate says it is needed)
     offload             inputs of N blocks to pinned host memory  all on the GPU
