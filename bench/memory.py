@@ -231,6 +231,7 @@ class Bench:
         with torch.device(self.dev.dev):
             self.model = LongCtxModel(self.cfg)
         self.model.set_backend("auto")
+        self.model.set_impls(residual=getattr(args, "residual_impl", None) or "auto")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.0,
                                      fused=self.dev.dev.type == "cuda")
         self.out = Path(args.out)
@@ -260,6 +261,7 @@ class Bench:
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "preset": "tiny" if self.args.cpu_smoke else "h200-ref", "params": n,
                 "autocast": str(self.dtype).replace("torch.", ""), "peak_tflops": PEAK_FLOPS / 1e12,
+                "residual_impl": getattr(self.args, "residual_impl", None) or "auto",
                 "model": self.cfg.to_dict()}
 
     def save(self):
@@ -714,6 +716,10 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
                        f"step {_f(r.get('step_s'))} s")
         if o.get("pageable_over_pinned_step"):
             out.append(f"- pageable / pinned step time: {o['pageable_over_pinned_step']:.2f}x")
+        pin, none = o.get("pinned") or {}, o.get("no_offload") or {}
+        if pin.get("status") == none.get("status") == "ok":
+            out.append(f"- offload's cost (pinned / no offload step time): {pin['step_s'] / none['step_s']:.2f}x "
+                       "(target <= 1.15)")
 
     best = max((r["seq_len"] for r in shown if r["config"] == "all_on" and r["status"] == "ok"), default=None)
     base = (bl or {}).get("max_ok")
@@ -758,6 +764,8 @@ def main(argv=None) -> int:
     ap.add_argument("--offload-seqlen", type=int, help="sequence length of pinned vs pageable (default 256k; quick 32k)")
     ap.add_argument("--resume", action="store_true", help="keep OUT/memory.json's results and add the missing ones")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--residual-impl", choices=["auto", "torch", "liger"],
+                    help="mHC implementation for every run (default auto = torch; liger: the fused kernels, opt-in)")
     ap.add_argument("--profile", type=int, metavar="S", help="after the runs, profile one warm all-on step at S tokens")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first step (the first run then includes compilation)")
     ap.add_argument("--report", nargs="+", metavar="FILE", help="merge these memory.json files into OUT "

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/results/*.json and the GPU tests, as run on the lent H200 (one call per part).
-#   bash bench/run_h200.sh kernels   # GPU tests of every fast path, then the indexer and KDA benchmarks
-#   (bench/fused_loss.py --modes amp and bench/mhc.py ran the same way: bench/results/{fused_loss,mhc}.json)
-#   bash bench/run_h200.sh memory    # bench/memory.py: the ablation runs 8k..1M
-#   bash bench/run_h200.sh step1m    # one 1M-token step (all switches on), logged chunk by chunk
-#   bash bench/run_h200.sh extras    # baseline max context, pinned vs pageable, host memory, 128k end to end
+#   bash bench/run_h200.sh kernels   # every GPU test (the 128k end-to-end check included), then the KDA benchmark
+#   (bench/indexer.py, bench/fused_loss.py --modes amp and bench/mhc.py ran the same way: bench/results/*.json)
+#   bash bench/run_h200.sh memory    # 8k warm-up, the 1M step, a profiled 128k step, the 8k..128k ablation
+#   bash bench/run_h200.sh step1m    # 8k warm-up, the 1M step, a profiled 128k step, baseline max, host memory
+#   NO_PACK=1 bash bench/run_h200.sh extras  # 128k/256k switches, offload cost + pinned vs pageable, liger mHC
+# The files each call brings back go to bench/results/memory_runs/ (numbered in call order), then
+#   python bench/memory.py --report bench/results/memory_runs/*.json --out bench/results
 # Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh); results go to $OUT.
 # Each part stays under the device tool's 600 s per call, with its own timeouts inside so that the
 # logs and JSON written so far come back.
@@ -26,12 +28,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case "${1:-}" in
 kernels)
-  # every log goes to $OUT whole (a tail through the tool's 12k-character window loses the failures)
-  timeout 300 python -m pytest -q -rfE --tb=short -s tests/test_gpu_sequence_chunks.py tests/test_gpu_indexer.py \
-      tests/test_gpu_sparse_attention.py tests/test_gpu_fused_loss.py tests/test_gpu_mhc.py > "$OUT/gpu_tests.log" 2>&1
-  grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -12
-  timeout 150 python bench/indexer.py --out "$OUT" > "$OUT/indexer.log" 2>&1; tail -3 "$OUT/indexer.log"
-  timeout 200 python bench/kda.py --out "$OUT" > "$OUT/kda.log" 2>&1; tail -3 "$OUT/kda.log"
+  # every GPU test, logged whole (a tail through the tool's 12k-character window loses the failures),
+  # then the KDA benchmark (bench/indexer.py ran the same way: bench/results/indexer.json)
+  timeout 420 python -m pytest -q -rfE --tb=short -s tests/test_gpu_*.py > "$OUT/gpu_tests.log" 2>&1
+  grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -15
+  timeout $((575 - SECONDS)) python bench/kda.py --out "$OUT" > "$OUT/kda.log" 2>&1; tail -5 "$OUT/kda.log"
   ;;
 memory)
   # warm-up at 8k (compiles, optimizer state), one 1M step in steady state, a profiled 128k step,
@@ -48,10 +49,14 @@ step1m)
       --seqlens 1048576 --profile 131072 --host-seqlen 65536 > "$OUT/memory_1m.log" 2>&1; tail -40 "$OUT/memory_1m.log"
   ;;
 extras)
-  [ -f bench/results/memory.json ] && cp bench/results/memory.json "$OUT/"
-  timeout 330 python bench/memory.py --out "$OUT" --resume --parts baseline,offload,host --seqlens 8192 \
-      --host-seqlen 65536 --offload-seqlen 262144 2>&1 | tail -30
-  timeout 200 python -m pytest -q -s tests/test_gpu_end_to_end.py 2>&1 | tail -8
+  # what the memory calls have not measured yet: the 128k and 256k switches, offload's cost and pinned
+  # vs pageable at 256k; then a 128k step with liger's mHC kernels, profiled (the torch mHC path is
+  # half of a 128k step: bench/NOTES.md). Run with NO_PACK=1: the device tool returns 8 files at most.
+  timeout 330 python bench/memory.py --out "$OUT" --parts runs,offload --seqlens 131072,262144 --offload-seqlen 262144 \
+      --configs all_on,chunked_indexer_off,reuse_selection_off,router_release_off,mhc_cast_recompute_off,moe_bf16_combine_off,loss_chunk_off \
+      > "$OUT/memory_extras.log" 2>&1; tail -20 "$OUT/memory_extras.log"
+  timeout $((575 - SECONDS)) python bench/memory.py --out "$OUT/liger" --residual-impl liger --parts runs --configs all_on \
+      --seqlens 131072 --profile 131072 > "$OUT/memory_liger_mhc.log" 2>&1; tail -5 "$OUT/memory_liger_mhc.log"
   ;;
-*) echo "usage: bench/run_h200.sh kernels|memory|extras"; exit 2 ;;
+*) echo "usage: bench/run_h200.sh kernels|memory|step1m|extras"; exit 2 ;;
 esac
