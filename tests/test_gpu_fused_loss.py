@@ -121,9 +121,14 @@ def test_model_auto_on_cuda_runs_liger_and_loss_chunk_off_runs_torch():
     assert rel_rms(out.token_losses, ref.token_losses) <= OUT_TOL
 
 
+# What resolve_loss_impl says for CPU hidden states. (A first version expected "model.loss_impl ...",
+# which the message never contained; tests/test_gpu_test_logic.py checks this pattern on the CPU.)
+CPU_REFUSAL = "loss_impl 'liger' needs CUDA tensors"
+
+
 def test_liger_refuses_cpu_tensors_and_bad_labels():
     head = Head(torch.zeros(V, D, device="cuda", dtype=torch.bfloat16), "liger")
-    with pytest.raises(ConfigError, match="model.loss_impl 'liger' needs CUDA tensors"):
+    with pytest.raises(ConfigError, match=CPU_REFUSAL):
         head.chunked_token_losses(torch.zeros(1, 4, D, dtype=torch.bfloat16), torch.zeros(1, 4, dtype=torch.long))
     h = torch.zeros(4, D, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"label 40000 is outside \[0, 32768\)"):
