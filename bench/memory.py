@@ -386,21 +386,24 @@ class Bench:
         ids, labels = self.batch(S)
         self._one_step(policy, ids, labels)  # warm: this length's compiles and autotuning
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=acts) as prof:
+        with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
             t0 = time.perf_counter()
             self._one_step(policy, ids, labels)
             torch.cuda.synchronize()
             step_s = time.perf_counter() - t0
-        ka = prof.key_averages()
-        table = None
-        for key in ("self_device_time_total", "self_cuda_time_total"):
-            try:
-                table = ka.table(sort_by=key, row_limit=60, max_name_column_width=90)
-                break
-            except Exception as e:  # noqa: BLE001 - the key's name changed across torch versions
-                table = f"(no kernel table: {e})"
+        tables = []
+        # by operator, then by operator and input shapes (the shapes say which layer an op belongs to)
+        for title, ka in (("by operator", prof.key_averages()),
+                          ("by operator and input shapes", prof.key_averages(group_by_input_shape=True))):
+            for key in ("self_device_time_total", "self_cuda_time_total"):
+                try:
+                    tables.append(f"{title}\n{ka.table(sort_by=key, row_limit=60, max_name_column_width=90)}")
+                    break
+                except Exception:  # noqa: BLE001 - the key's name changed across torch versions
+                    continue
         path = self.out / f"profile_{S}.txt"
-        path.write_text(f"{self.res['command']}\nstep {step_s:.3f} s under the profiler at S={S}\n\n{table}\n")
+        body = "\n\n".join(tables)
+        path.write_text(f"{self.res['command']}\nstep {step_s:.3f} s under the profiler at S={S}\n\n{body}\n")
         self.log(f"profile at {S}: step {step_s:.2f} s, wrote {path}")
         self._cleanup(policy)
 
