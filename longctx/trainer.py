@@ -128,6 +128,7 @@ class Trainer:
         self.before = None
         self.history: list[dict] = []
         self.memory_policy = None
+        self.stage_estimate_gib = None  # `longctx estimate` of the stage's plan (CUDA only), shown beside each peak
         self._tb = None
 
     # ------------------------------------------------------------------ bookkeeping
@@ -233,6 +234,8 @@ class Trainer:
                "loss": out.lm_loss.item(), "grad_norm": gn.item(), "lr": lr,
                "tokens_per_s": x.numel() / dt, "step_s": dt, "peak_gib": peak_memory_gib(self.device),
                "moe_max_over_mean": model.moe_balance(), "impl": model.impl_report()}
+        if self.stage_estimate_gib is not None:
+            rec["estimate_gib"] = self.stage_estimate_gib
         for k, v in out.aux.items():
             rec[k] = v.item()
         model.clear_aux()
@@ -240,8 +243,10 @@ class Trainer:
 
     def format(self, r: dict) -> str:
         bal = f" | moe max/mean {r['moe_max_over_mean']:.2f}" if r.get("moe_max_over_mean") else ""
+        est = f" (est {r['estimate_gib']:.1f})" if r.get("estimate_gib") is not None else ""
         return (f"step {r['step']:5d} | stage {r['stage']} | seq {r['seq_len']:7d} | loss {r['loss']:.4f} | "
-                f"gnorm {r['grad_norm']:.2f} | {r['tokens_per_s']:8.0f} tok/s | peak {r['peak_gib']:.2f} GiB{bal} | {r['impl']}")
+                f"gnorm {r['grad_norm']:.2f} | {r['tokens_per_s']:8.0f} tok/s | peak {r['peak_gib']:.2f} GiB{est}{bal} | "
+                f"{r['impl']}")
 
     def run(self, resume: bool = False, stop_after: int | None = None) -> dict:
         os.makedirs(self.out, exist_ok=True)
@@ -320,8 +325,18 @@ class Trainer:
             return
         plan = plan_for_stage(self.cfg, stage, self.device, self.cfg.stages.index(stage))
         self.memory_policy = apply_plan(self.model, plan)
+        self.stage_estimate_gib = None
+        if self.device.type == "cuda":  # each step's line then shows the measured peak beside it
+            from .memory.estimate import device_gpu_key, estimate
+
+            e = estimate(self.cfg.model, stage.seq_len * stage.batch_size, plan, 1, device_gpu_key(self.device),
+                         self.dtype.itemsize)
+            self.stage_estimate_gib = e["gpu_bytes"] / 2**30
         if not self.quiet:
             self.log(f"memory plan: {plan.describe()}")
+            if self.stage_estimate_gib is not None:
+                self.log(f"memory estimate: {self.stage_estimate_gib:.1f} GiB of {e['gpu_capacity'] / 2**30:.1f}, "
+                         f"peak during {e['peak_phase']} (`longctx estimate` prints the breakdown)")
 
 
 def train(cfg: TrainConfig, **kw) -> dict:

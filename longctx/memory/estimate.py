@@ -302,20 +302,23 @@ def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str 
     return last
 
 
+def device_gpu_key(device) -> str:
+    """The GPUS key of `device`: a CUDA device's own capacity, registered as "this"; else "cpu"."""
+    if getattr(device, "type", str(device)) == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(device).total_memory
+        GPUS["this"] = {"memory": total, "host": GPUS["h200"]["host"]}
+        return "this"
+    return "cpu"
+
+
 def resolve_auto(plan: MemoryPlan, cfg: ModelConfig, tokens: int, device,
                  act_bytes: int = 2) -> tuple[MemoryPlan, dict | None]:
     """Resolve "auto" switches for this device; returns (plan, its estimate or None)."""
     if "auto" not in (plan.recompute, plan.offload, plan.seq_chunk):
         return plan, None
-    import torch
-
-    if getattr(device, "type", str(device)) == "cuda":
-        free = torch.cuda.get_device_properties(device).total_memory
-        GPUS["this"] = {"memory": free, "host": GPUS["h200"]["host"]}
-        gpu = "this"
-    else:
-        gpu = "cpu"
-    return auto_plan(cfg, tokens, plan, 1, gpu, act_bytes)
+    return auto_plan(cfg, tokens, plan, 1, device_gpu_key(device), act_bytes)
 
 
 def format_report(e: dict) -> str:
