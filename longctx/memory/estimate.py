@@ -3,15 +3,20 @@
 The model counts bytes, it does not run anything. For a config, tokens per step S (per GPU, after
 context parallelism) and a memory plan it adds up:
 
-  static      parameters (fp32 master), gradients (fp32), AdamW moments (2 x fp32), and the bf16
-              copies autocast keeps of the weights during a step;
+  static      parameters (fp32 master) and AdamW moments (2 x fp32), always; the fp32 gradients that
+              exist at the peak and autocast's bf16 weight copies if they are alive then;
   kept        what survives from forward to backward: with full recompute each block's input
               (the residual state: n_streams x hidden for mHC) plus, with selection reuse, the
               int32 selection of each indexer layer; without recompute every activation a block's
               backward needs (per-token constants below); split into GPU and host by offload;
-  working     the transient peak of the costliest block while it is recomputed and
-              backpropagated (its activations, their gradients, the KDA/DSA/MoE/indexer/loss
-              workspaces, each bounded by its chunk size when chunking is on).
+  working     the transient set of the peak phase (a block's recomputed activations, state
+              gradients, the KDA/DSA/MoE/indexer/loss workspaces, each bounded by its chunk size
+              when chunking is on), and the kept inputs already freed by then (negative).
+
+The peak is the largest of the step's phases: the end of the forward (all kept tensors, the bf16
+weight copies, the loss), and the backward of each block, last to first (the inputs of that block
+and the ones before it, the gradients created so far). On the H200 this lands within -7..+7% of
+the measured peak (bench/results/memory_table.md), hence GPU_FIT.
 
 Per-token byte counts are written out per sub-layer in `_block_activation_bytes`; they follow the
 code in longctx/layers (bf16 activations, fp32 where the layer computes in fp32). Quadratic terms
