@@ -23,3 +23,35 @@ def test_fused_loss_refusal_patterns_match_the_messages():
         head.chunked_token_losses(torch.zeros(1, 4, D, dtype=torch.bfloat16), torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match=r"label 40000 is outside \[0, 32768\)"):
         fused_loss._check_label_range(torch.tensor([0, 1, -100, 40000]), V, -100)
+
+
+def test_recorded_routing_replays_the_expert_choices_across_chunks():
+    """test_gpu_end_to_end's routing recorder: after replay(), a forward over the same tokens in two
+    chunks equals the recorded one (the per-layer cursor walks the tokens in order); with a changed
+    router, replay keeps the recorded experts (so it differs from that router's free choice); past
+    the recorded tokens it refuses."""
+    from test_gpu_end_to_end import recorded_routing
+
+    from longctx.config import preset
+    from longctx.layers.moe import MoE
+    from longctx.model import LongCtxModel
+
+    torch.manual_seed(0)
+    model = LongCtxModel(preset("tiny")).eval()
+    x = torch.randn(1, 40, model.cfg.hidden_size)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    with torch.no_grad():
+        with recorded_routing(model) as replay:
+            ref = moe(x)
+            replay()
+            same = torch.cat([moe(x[:, :25]), moe(x[:, 25:])], 1)
+        assert (same - ref).abs().max() < 1e-5
+        with recorded_routing(model) as replay:
+            moe(x)
+            replay()
+            moe.router.weight.copy_(torch.randn_like(moe.router.weight))  # a different router
+            forced = moe(x)
+            with pytest.raises(AssertionError, match="replayed past"):
+                moe(x[:, :1])
+        free = moe(x)
+    assert (forced - free).abs().max() > 1e-3
