@@ -14,7 +14,7 @@ def test_fused_loss_refusal_patterns_match_the_messages():
     loss_impl 'liger' on CPU hidden states raises the ConfigError its pattern names (a first version
     expected "model.loss_impl ...", which the message never said), and the label range check says
     what the test expects."""
-    from test_gpu_fused_loss import CPU_REFUSAL, D, V, Head
+    from test_gpu_fused_loss import CPU_REFUSAL, D, Head, V
 
     from longctx.ops import fused_loss
 
