@@ -88,6 +88,7 @@ CONFIGS = {
     "recompute_off": lambda p: dataclasses.replace(p, recompute="off", offload="off"),
     "offload_off": lambda p: dataclasses.replace(p, offload="off"),
     "pin_memory_off": lambda p: dataclasses.replace(p, pin_memory=False),
+    "release_pinned_off": lambda p: dataclasses.replace(p, release_pinned=False),
     "reuse_selection_off": lambda p: dataclasses.replace(p, reuse_selection=False),
     "router_release_off": lambda p: dataclasses.replace(p, router_release=False),
     "mhc_cast_recompute_off": lambda p: dataclasses.replace(p, mhc_cast_recompute=False),
@@ -105,7 +106,7 @@ def effective(plan: MemoryPlan) -> dict:
     blocks = plan.offload_blocks()
     d["offload"] = str(blocks)
     if not blocks:
-        d["pin_memory"] = None
+        d["pin_memory"] = d["release_pinned"] = None
     if plan.recompute != "on" and not blocks:
         d["reuse_selection"] = None
     if not plan.chunked_indexer:
@@ -304,6 +305,8 @@ class Bench:
                 m.router_state = None
         if policy is not None:
             policy.end_step()
+            if hasattr(policy, "close"):
+                policy.close()
         self.model.block_fn = None
         self.dev.free(collect=True)
 
@@ -347,6 +350,8 @@ class Bench:
              "loss": float(loss), "impl": self.model.impl_report()}
         if getattr(policy, "offloader", None) is not None:
             r["offloaded_gib"] = policy.offloader.bytes_offloaded / GIB / max(1, reps)
+            r["kept_pinned_gib"] = policy.offloader.kept_bytes / GIB
+            policy.close()
         self.model.block_fn = None
         return r
 
@@ -455,8 +460,8 @@ class Bench:
             return
         base = dataclasses.replace(self.all_on(S), recompute="on", offload=str(self.cfg.num_layers))
         out = {"seq_len": S, "offload_blocks": self.cfg.num_layers}
-        for name, pin in (("pinned", True), ("pageable", False)):
-            plan = dataclasses.replace(base, pin_memory=pin)
+        for name, pin, release in (("pinned", True, True), ("pinned_kept", True, False), ("pageable", False, True)):
+            plan = dataclasses.replace(base, pin_memory=pin, release_pinned=release)
             out[name] = {**self.estimate(plan, S), **self.measure(plan, S, self.reps(S))}
             self.log(f"offload {name}: " + _line({"config": name, "seq_len": S, **out[name]}))
         no_off = dataclasses.replace(base, offload="off")
@@ -713,8 +718,10 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
     o = res.get("offload_pinned_vs_pageable")
     if o:
         out += ["", f"## Offload, pinned vs pageable (call {call.get(o.get('source'), '?')})", ""]
-        for name in ("pinned", "pageable", "no_offload"):
+        for name in ("pinned", "pinned_kept", "pageable", "no_offload"):
             r = o.get(name) or {}
+            if not r:
+                continue
             out.append(f"- {name}: {r.get('status')}, peak {_f(r.get('peak_allocated_gib'))} GiB, "
                        f"step {_f(r.get('step_s'))} s")
         if o.get("pageable_over_pinned_step"):

@@ -324,6 +324,8 @@ class Trainer:
         except ImportError:
             return
         plan = plan_for_stage(self.cfg, stage, self.device, self.cfg.stages.index(stage))
+        if getattr(self.memory_policy, "close", None) is not None:
+            self.memory_policy.close()  # the previous stage's kept pinned buffers
         self.memory_policy = apply_plan(self.model, plan)
         self.stage_estimate_gib = None
         if self.device.type == "cuda":  # each step's line then shows the measured peak beside it

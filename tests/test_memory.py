@@ -222,6 +222,39 @@ def test_offload_forced_on_cpu(residual):
     assert off.handles == [] and off.groups == {} and off.group_order == []
 
 
+@pytest.mark.parametrize("release", [True, False])
+def test_offload_keeps_its_buffers_across_steps_without_release_pinned(release):
+    """release_pinned off: the second step packs into the very buffers of the first (no new
+    page-locking, host memory flat), and its gradients are still the plain step's; on (the default),
+    nothing is kept between steps."""
+    cfg = _cfg()
+    model = _model(cfg)
+    ids, labels = _batch(cfg)
+    ref = _step(model, ids, labels, PLAIN)
+    apply_plan(model, RECOMPUTE)
+    policy = RecomputePolicy(offload_layers=3, force_offload=True, pin_memory=False, release_pinned=release)
+    off = policy.offloader
+    off.min_bytes = 0
+    model.block_fn = policy
+    ptrs = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        out = model(ids, labels=labels, return_logits=False)
+        ptrs.append(sorted(h.host.data_ptr() for h in off.handles))
+        out.loss.backward()
+        got = (out.loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None})
+        _assert_same(ref, got)
+        policy.end_step()
+    model.block_fn = None
+    kept = sum(b.numel() for bufs in off._pool.values() for b in bufs)
+    if release:
+        assert kept == 0 and off.kept_bytes == 0
+    else:
+        assert ptrs[0] == ptrs[1] and kept == off.kept_bytes == off.bytes_offloaded // 2 > 0
+    policy.close()
+    assert off._pool == {} and off.kept_bytes == 0
+
+
 def test_offload_refuses_a_second_backward():
     cfg = _cfg()
     model = _model(cfg)

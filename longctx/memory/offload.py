@@ -11,6 +11,12 @@ The hooks must be active where autograd *packs* a custom Function's saved tensor
 `Function.forward` returns (not at `save_for_backward`): the caller wraps `Function.apply`, and
 `paused()` lets whatever a block saves inside its own forward (the indexer's KL graph) through.
 
+Pinned buffers: with `release_pinned` (the default, seed 000's fix) every step's pinned blocks go back
+to the OS at its end, so host memory cannot grow, but each step page-locks its buffers afresh
+(cudaHostAlloc of GiBs takes seconds, on the thread that launches the forward). Without it the
+offloader keeps its own buffers and the next step takes the same ones again: host memory is just as
+flat (the same buffers every step) and nothing is page-locked twice; `close()` returns them.
+
 On a CPU-only machine there is nothing to offload to; the hooks then keep tensors as they are
 (the logic is still exercised by tests through `force=True` with plain host buffers).
 """
@@ -31,8 +37,13 @@ class _Handle:
 
 
 class Offloader:
-    def __init__(self, pin_memory: bool = True, min_bytes: int = 1 << 20, force: bool = False):
+    def __init__(self, pin_memory: bool = True, min_bytes: int = 1 << 20, force: bool = False,
+                 release_pinned: bool = True):
         self.pin_memory = pin_memory
+        self.release_pinned = release_pinned
+        self._pool: dict[int, list[torch.Tensor]] = {}  # nbytes -> free kept buffers (release_pinned off)
+        self._taken: list[torch.Tensor] = []  # this step's kept buffers, back to the pool at end_step
+        self.kept_bytes = 0
         self.min_bytes = min_bytes
         self.force = force  # offload even CPU tensors (tests)
         self.handles: list[_Handle | None] = []  # this step's, in packing order; None once unpacked
@@ -51,10 +62,10 @@ class Offloader:
         if self._paused or nbytes < self.min_bytes or not (t.is_cuda or self.force):
             return t
         index = len(self.handles)
-        if not t.is_cuda:
-            h = _Handle(t.detach().clone(), t.device, None, index, self._group, nbytes)
+        if not t.is_cuda:  # force (tests): the same buffers and bookkeeping, a plain copy
+            h = _Handle(self._host_buffer(t, nbytes).copy_(t.detach()), t.device, None, index, self._group, nbytes)
         else:
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
+            host = self._host_buffer(t, nbytes)
             cur = torch.cuda.current_stream(t.device)
             self.stream.wait_stream(cur)
             with torch.cuda.stream(self.stream):
@@ -96,6 +107,19 @@ class Offloader:
         h.host = h.gpu = None
         return out
 
+    def _host_buffer(self, t: torch.Tensor, nbytes: int) -> torch.Tensor:
+        pin = self.pin_memory and t.is_cuda  # pinning serves GPU copies only (CPU tensors: tests)
+        if self.release_pinned:
+            return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        free = self._pool.get(nbytes)
+        if free:
+            raw = free.pop()
+        else:
+            raw = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+            self.kept_bytes += nbytes
+        self._taken.append(raw)
+        return raw.view(t.dtype).view(t.shape)
+
     def _fetch(self, h: _Handle):
         if h.device.type != "cuda":
             h.gpu = h.host
@@ -132,15 +156,31 @@ class Offloader:
         return sum(h is not None for h in self.handles)
 
     def end_step(self):
-        """Forget this step's handles and hand cached pinned blocks back to the OS (seed 000:
-        PyTorch's host allocator otherwise keeps every freed pinned block)."""
+        """Forget this step's handles; then either hand cached pinned blocks back to the OS (seed 000:
+        PyTorch's host allocator otherwise keeps every freed pinned block) or, without
+        `release_pinned`, put this step's buffers back in the offloader's own pool for the next."""
         self.handles.clear()
         self.groups.clear()
         self.group_order.clear()
         self._live_host = 0
+        if self.stream is not None and torch.cuda.is_available():
+            self.stream.synchronize()  # no copy still reads or writes a buffer given back below
+        for raw in self._taken:
+            self._pool.setdefault(raw.numel(), []).append(raw)
+        self._taken.clear()
+        if self.release_pinned:
+            self._empty_host_cache()
+
+    def close(self):
+        """Give every kept buffer back (the policy is being replaced)."""
+        self.end_step()
+        self._pool.clear()
+        self.kept_bytes = 0
+        self._empty_host_cache()
+
+    @staticmethod
+    def _empty_host_cache():
         if torch.cuda.is_available():
-            if self.stream is not None:
-                self.stream.synchronize()
             empty = getattr(torch._C, "_host_emptyCache", None)
             if empty is not None:
                 empty()

@@ -9,6 +9,8 @@
     offload             inputs of N blocks to pinned host memory  all on the GPU
                         ("auto": as few blocks as needed to fit)
     pin_memory          pinned host buffers, async copies          pageable buffers
+    release_pinned      pinned blocks back to the OS every step    the offloader keeps its buffers for the
+                                                                   next step (flat too; no re-pinning)
     reuse_selection     recompute keeps the int32 selection        recompute re-runs the indexer
     router_release      no router tensors outlive the forward      probabilities/indices kept on the module
     mhc_cast_recompute  mHC's fp32 input cast redone in backward  the fp32 copy saved
@@ -44,6 +46,7 @@ class MemoryPlan:
     recompute: str = "auto"  # "auto" | "on" | "off"
     offload: str = "auto"  # "auto" | "off" | a number of blocks, e.g. "6"
     pin_memory: bool = True
+    release_pinned: bool = True
     reuse_selection: bool = True
     router_release: bool = True
     mhc_cast_recompute: bool = True
@@ -57,7 +60,7 @@ class MemoryPlan:
     def baseline(cls) -> "MemoryPlan":
         """What a plain implementation does: every technique off."""
         return cls(sparse_kernel=False, chunked_indexer=False, recompute="off", offload="off", pin_memory=False,
-                   reuse_selection=False, router_release=False, mhc_cast_recompute=False, moe_bf16_combine=False,
+                   release_pinned=False, reuse_selection=False, router_release=False, mhc_cast_recompute=False, moe_bf16_combine=False,
                    moe_chunk=0, loss_chunk=0, seq_chunk="off")
 
     @classmethod
@@ -154,7 +157,8 @@ def apply_plan(model, plan: MemoryPlan):
                                pin_memory=plan.pin_memory)
     if blocks:
         model.block_fn = RecomputePolicy(recompute=True, offload_layers=plan.offload_blocks(),
-                                         reuse_selection=plan.reuse_selection, pin_memory=plan.pin_memory)
+                                         reuse_selection=plan.reuse_selection, pin_memory=plan.pin_memory,
+                                         release_pinned=plan.release_pinned)
     else:
         model.block_fn = None
     return model.block_fn
