@@ -49,14 +49,17 @@ step1m)
       --seqlens 1048576 --profile 131072 --host-seqlen 65536 > "$OUT/memory_1m.log" 2>&1; tail -40 "$OUT/memory_1m.log"
   ;;
 extras)
-  # what the memory calls have not measured yet: the 128k and 256k switches, offload's cost and pinned
-  # vs pageable at 256k; then a 128k step with liger's mHC kernels, profiled (the torch mHC path is
-  # half of a 128k step: bench/NOTES.md). Run with NO_PACK=1: the device tool returns 8 files at most.
-  timeout 330 python bench/memory.py --out "$OUT" --parts runs,offload --seqlens 131072,262144 --offload-seqlen 262144 \
+  # what the memory calls have not measured yet, most important first: offload's cost at 256k (pinned,
+  # pinned with kept buffers, pageable, no offload), a profiled 128k step with liger's mHC kernels (the
+  # torch mHC path is half of a 128k step: bench/NOTES.md), then the 128k and 256k switches.
+  # Run with NO_PACK=1: the device tool returns 8 files at most, and this part writes 8.
+  timeout 300 python bench/memory.py --out "$OUT" --parts offload --seqlens 262144 --offload-seqlen 262144 \
+      > "$OUT/memory_offload.log" 2>&1; tail -8 "$OUT/memory_offload.log"
+  timeout $((430 - SECONDS)) python bench/memory.py --out "$OUT/liger" --residual-impl liger --parts runs --configs all_on \
+      --seqlens 131072 --profile 131072 > "$OUT/memory_liger_mhc.log" 2>&1; tail -4 "$OUT/memory_liger_mhc.log"
+  timeout $((575 - SECONDS)) python bench/memory.py --out "$OUT" --resume --parts runs --seqlens 131072,262144 \
       --configs all_on,chunked_indexer_off,reuse_selection_off,router_release_off,mhc_cast_recompute_off,moe_bf16_combine_off,loss_chunk_off \
-      > "$OUT/memory_extras.log" 2>&1; tail -20 "$OUT/memory_extras.log"
-  timeout $((575 - SECONDS)) python bench/memory.py --out "$OUT/liger" --residual-impl liger --parts runs --configs all_on \
-      --seqlens 131072 --profile 131072 > "$OUT/memory_liger_mhc.log" 2>&1; tail -5 "$OUT/memory_liger_mhc.log"
+      > "$OUT/memory_extras.log" 2>&1; tail -16 "$OUT/memory_extras.log"
   ;;
 *) echo "usage: bench/run_h200.sh kernels|memory|step1m|extras"; exit 2 ;;
 esac
