@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +29,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timing import provenance, timed
+from timing import provenance, timed, write_results
 
 from longctx.model import LongCtxModel
 from longctx.ops import fused_loss
@@ -154,10 +151,7 @@ def run_cpu_smoke(args) -> dict:
             h, y = inputs(rows, D, V, "cpu")
             step = make_step("torch", head, h, y, mode == "amp")
             loss = step()
-            t0 = time.perf_counter()
-            for _ in range(3):
-                step()
-            ms = (time.perf_counter() - t0) / 3 * 1e3
+            ms = timed(step, 0, 3, device="cpu")
             ref = torch.nn.functional.cross_entropy(
                 (h.detach().float() @ head.lm_head.weight.detach().float().T), y, ignore_index=-100)
             row = {"mode": mode, "rows": rows, "torch": {"fwd_bwd_ms": ms, "loss": loss.item(), "impl": head.last_impl,
@@ -180,11 +174,7 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
     res = run_cpu_smoke(args) if args.cpu_smoke else run_gpu(args)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "fused_loss_cpu_smoke.json" if args.cpu_smoke else "fused_loss.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print("wrote", path)
+    write_results(args.out, "fused_loss_cpu_smoke.json" if args.cpu_smoke else "fused_loss.json", res)
 
 
 if __name__ == "__main__":

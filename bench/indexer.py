@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timing import provenance, timed  # bench/ is on sys.path when run as a script
+from timing import provenance, timed, write_results  # bench/ is on sys.path when run as a script
 
 from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch
 from longctx.ops.indexer import triton_kernel as tk
@@ -271,11 +271,7 @@ def main():
                 print(json.dumps(r), flush=True)
                 results["sweep"].append(r)
     results["total_s"] = time.perf_counter() - t_start
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / ("indexer_cpu_smoke.json" if dev.cpu else "indexer.json")
-    path.write_text(json.dumps(results, indent=1))
-    print("wrote", path)
+    write_results(args.out, "indexer_cpu_smoke.json" if dev.cpu else "indexer.json", results)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timing import timed  # bench/ is on sys.path when run as a script
+from timing import timed, write_results  # bench/ is on sys.path when run as a script
 
 from longctx.ops.kda import fla_available, fla_chunk_kda, kda_chunk, kda_gate, l2norm
 
@@ -192,11 +192,7 @@ def main():
         print(json.dumps(row), flush=True)
         res["cases"].append(row)
     res["total_s"] = time.perf_counter() - t_start
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / ("kda_cpu_smoke.json" if dev == "cpu" else "kda.json")
-    path.write_text(json.dumps(res, indent=1))
-    print("wrote", path)
+    write_results(args.out, "kda_cpu_smoke.json" if dev == "cpu" else "kda.json", res)
 
 
 if __name__ == "__main__":

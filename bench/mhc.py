@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timing import provenance, timed
+from timing import provenance, timed, write_results
 
 from longctx.config import preset
 from longctx.layers.residual import MHC
@@ -136,11 +133,7 @@ def run_cpu_smoke(args) -> dict:
         for impl in ("torch", "torch_keep_cast"):
             mhc, streams, gain, noise, dout = setup(cfg, S, "cpu")
             step = make_step(impl, mhc, streams, gain, noise, dout)
-            step()
-            t0 = time.perf_counter()
-            for _ in range(3):
-                step()
-            row[impl] = {"fwd_bwd_ms": (time.perf_counter() - t0) / 3 * 1e3, "impl": mhc.last_impl}
+            row[impl] = {"fwd_bwd_ms": timed(step, 1, 3, device="cpu"), "impl": mhc.last_impl}
             assert mhc.last_impl == "mhc:torch" and streams.grad is not None and mhc.fn.grad is not None
         print(row, flush=True)
         res["cases"].append(row)
@@ -156,11 +149,7 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
     res = run_cpu_smoke(args) if args.cpu_smoke else run_gpu(args)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "mhc_cpu_smoke.json" if args.cpu_smoke else "mhc.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print("wrote", path)
+    write_results(args.out, "mhc_cpu_smoke.json" if args.cpu_smoke else "mhc.json", res)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ Writes DIR/sparse_attention.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -25,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from test_gpu_sparse_attention import causal_pool_indices
-from timing import provenance, timed
+from timing import provenance, timed, write_results
 
 from longctx.ops.sparse_attention import triton_kernel as tk
 
@@ -158,11 +156,7 @@ def main():
                 print(f"sweep H={H} {which} {c}: {r}", flush=True)
                 res["sweep"].append({"H": H, "which": which, "cfg": c, **r})
 
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "sparse_attention.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print("wrote", path)
+    write_results(args.out, "sparse_attention.json", res)
 
 
 if __name__ == "__main__":

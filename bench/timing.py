@@ -1,12 +1,14 @@
 """Shared by the benchmarks: timing (CUDA events after warm-up, the median) and the provenance every
-results JSON starts with (GPU, versions, command, date)."""
+results JSON starts with (GPU, versions, command, date), and writing that JSON."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -43,3 +45,12 @@ def provenance(gpu: str | None = None) -> dict:
     return {"gpu": gpu if gpu is not None else torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "command": " ".join([sys.executable] + sys.argv),
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def write_results(out_dir, name: str, res: dict) -> Path:
+    """OUT_DIR/NAME (created if missing), the results indented, and a line saying where."""
+    path = Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    print("wrote", path)
+    return path
