@@ -449,9 +449,7 @@ class Bench:
             if r["status"] != "ok":
                 break
             best, S = S, 2 * S
-        pred, S = None, start
-        while S <= 64 * cap and self.estimate(plan, S)["estimate_fits"]:
-            pred, S = S, 2 * S
+        pred = estimated_max_context(self.cfg, plan, start, 64 * cap, self.dev.gpu_key, self.act_bytes)
         self.res["baseline_max_context"] = {"max_ok": best, "estimate_max": pred, "attempts": attempts}
         self.save()
 
@@ -511,6 +509,14 @@ class Bench:
         self.save()
         self.log(f"host memory over {len(rss)} steps at {S}: RSS {rss[0] if rss else 0:.2f} -> "
                  f"{rss[-1] if rss else 0:.2f} GiB")
+
+
+def estimated_max_context(cfg, plan: MemoryPlan, start: int, cap: int, gpu: str, act_bytes: int) -> int | None:
+    """The longest of start, 2 start, 4 start, ... <= cap that the estimate says fits (None: not even start)."""
+    pred, S = None, start
+    while S <= cap and est.estimate(cfg, S, plan, 1, gpu, act_bytes)["fits"]:
+        pred, S = S, 2 * S
+    return pred
 
 
 def _line(r: dict) -> str:
@@ -677,9 +683,7 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
     base_plan = MemoryPlan.baseline()
     if bl:
         start = bl["attempts"][0]["seq_len"] if bl.get("attempts") else 4 * K
-        pred, S = None, start
-        while S <= 64 * 2048 * K and est.estimate(cfg, S, base_plan, 1, "h200", 2)["fits"]:
-            pred, S = S, 2 * S
+        pred = estimated_max_context(cfg, base_plan, start, 64 * 2048 * K, "h200", 2)
         out += ["", f"## Baseline (every switch off): longest context (call {call.get(bl.get('source'), '?')})", "",
                 f"max_ok {_f(bl.get('max_ok'), ',')} tokens; the estimate's max {_f(bl.get('estimate_max'), ',')} "
                 f"(recorded), {_f(pred, ',')} (estimator now)." + (f" Note: {bl['note']}" if bl.get("note") else ""),
@@ -756,7 +760,6 @@ def report(files, out: Path) -> int:
     (out / "memory_table.md").write_text(text)
     print(text, end="")
     return 0
-
 
 
 # ----------------------------------------------------------------------------- main
