@@ -13,9 +13,9 @@ checked as well. Run with `python -m pytest -q -s tests/test_gpu_end_to_end.py` 
 MoE routing is recorded in the training forward and replayed in the decode path (`recorded_routing`):
 at initialisation the router's scores are nearly tied, and bf16 rounding differences between the two
 paths flip top-k experts, which is not a decode-path defect but moves whole expert outputs. On the
-CPU (bf16, h200-ref cut to 4 layers, 600 tokens) free routing gave a hidden rel-RMS of 0.148 and a
-log-prob difference of 0.137, replayed routing 0.019 and 0.043. The free-routing difference is
-printed too, for information.
+CPU (`python bench/decode_drift.py`: bf16, h200-ref cut to 4 layers, 600 tokens) free routing gave a
+hidden rel-RMS of 0.148 and a log-prob difference of 0.137, replayed routing 0.019 and 0.043. The
+free-routing difference is printed too, for information.
 """
 
 from __future__ import annotations
@@ -66,18 +66,19 @@ def recorded_routing(model):
             h.remove()
 
 
-def decode_vs_training(model, ids, N, chunk, device, replay_routing=True):
+def decode_vs_training(model, ids, N, chunk, device, replay_routing=True, bf16=True):
     """(mean abs log-prob difference, hidden rel-RMS, log-prob std, impl) of the last N tokens: the
-    training forward against prefill-through-the-caches in chunks, then one token at a time."""
+    training forward against prefill-through-the-caches in chunks, then one token at a time
+    (bench/decode_drift.py runs it on the CPU)."""
     S = ids.shape[1]
     ctx = recorded_routing(model) if replay_routing else contextlib.nullcontext(lambda: None)
-    with ctx as replay, torch.autocast(device, dtype=torch.bfloat16):
+    with ctx as replay, torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
         h = model.hidden(ids)[:, S - N - 1 : S - 1]
         full = torch.log_softmax(model.lm_head(h).float(), -1)
         full = full.gather(-1, ids[:, S - N :, None]).squeeze(-1)
         impl = model.impl_report()
         replay()
-        caches = model.init_caches(1, device=device, dtype=torch.bfloat16)
+        caches = model.init_caches(1, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
         for s0 in range(0, S - N - 1, chunk):  # tokens 0 .. S-N-2 through the caches
             model(ids[:, s0 : min(s0 + chunk, S - N - 1)], caches=caches)
         dec, hs = [], []
