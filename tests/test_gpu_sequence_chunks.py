@@ -15,33 +15,91 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_chunked_step_matches_whole_sequence_h200_ref():
+    """The chunked step is as exact as the whole-sequence step: measured against an fp32 whole-sequence
+    gradient (torch paths), each parameter's bf16 gradient from the chunked step is no further off than
+    the whole step's own bf16 gradient (x2 + 2e-2: these are single samples of rounding noise; the tiny
+    model on the CPU, tests/test_gpu_test_logic.py, measured x1.78 at worst, on an mHC scale: 0.45/0.26).
+
+    MoE routing is recorded in the bf16 whole-sequence forward and replayed by the others: at
+    initialisation the router's scores are nearly tied, and rounding in the chunked sweep (other kernels
+    than the whole forward) sends many tokens to other experts. With free routing the H200 measured
+    0.66 rel-RMS over all gradients against the whole step (loss equal to 2e-5): a difference of
+    functions, not of gradients; that figure is printed beside the asserted ones. Per-parameter
+    comparisons of chunked with whole bf16 gradients alone are no criterion either: small parameters
+    whose gradient is a sum that nearly cancels (mHC base/scale) differ by 0.2-0.7 between two bf16 runs
+    of the same function (tiny model, CPU)."""
     from longctx.config import preset
-    from longctx.memory.sequence_chunks import SequenceChunker
     from longctx.model import LongCtxModel
 
     torch.manual_seed(0)
     model = LongCtxModel(preset("h200-ref")).cuda().train()
     S, C = 12288, 4096  # 3 chunks; > top-k, so the DSA layers are sparse in the later chunks
-    ids = torch.randint(0, model.cfg.vocab_size, (1, S + 1), device="cuda")
+    r = compare_chunked_with_whole(model, S, C)
+    print(f"loss whole {r['loss_whole']:.6f} chunked {r['loss_chunked']:.6f}; {r['impl']}")
+    print("worst chunked/whole vs fp32: " + ", ".join(f"{n} {a:.3g}/{b:.3g}" for n, a, b in r["worst"]))
+    print(f"all gradients rel-RMS vs fp32: chunked {r['chunked_vs_fp32']:.2e}, whole {r['whole_vs_fp32']:.2e}; chunked vs "
+          f"whole {r['chunked_vs_whole']:.2e} (routing replayed), {r['free_chunked_vs_whole']:.2e} (free routing)")
+    assert "kda:fla" in r["impl"] and "dsa:triton" in r["impl"]
+    assert_as_exact_as_whole(r)
+
+
+def assert_as_exact_as_whole(r: dict) -> None:
+    assert abs(r["loss_chunked"] - r["loss_whole"]) <= 2e-3 * abs(r["loss_whole"])
+    assert r["chunked_vs_fp32"] <= 1.5 * r["whole_vs_fp32"] + 5e-3
+    assert r["params_over"] == [], r["worst"]
+
+
+def compare_chunked_with_whole(model, S: int, C: int, seed: int = 0) -> dict:
+    """bf16 whole step (routing recorded), chunked step with free and with replayed routing, fp32 whole
+    step (torch paths, routing replayed); the rel-RMS figures of the docstring above. Runs on the
+    model's device (tests/test_gpu_test_logic.py runs it on the CPU with the tiny model)."""
+    from longctx.layers.moe import RoutingTape, routing_tape
+    from longctx.memory.sequence_chunks import SequenceChunker
+
+    dev = next(model.parameters()).device
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, S + 1), generator=g).to(dev)
     x, y = ids[:, :-1], ids[:, 1:]
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    grads = lambda: {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}  # noqa: E731
+    flat = lambda g: torch.cat([g[n].flatten().double() for n in sorted(g)])  # noqa: E731
+    bf16 = lambda: torch.autocast(dev.type, dtype=torch.bfloat16)  # noqa: E731
+
+    tape = RoutingTape()
+    model.zero_grad(set_to_none=True)
+    with bf16(), routing_tape(tape):
         out = model(x, labels=y, return_logits=False)
     out.loss.backward()
-    impl = model.impl_report()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    impl, whole = model.impl_report(), grads()
+    tape.replay = True
+
+    def chunked(routing):
+        model.zero_grad(set_to_none=True)
+        with bf16():
+            got = SequenceChunker(C).forward_backward(model, x, y, routing=routing)
+        return got, grads()
+
+    _, free = chunked(None)
+    got, ch = chunked(tape)
+    assert ch.keys() == whole.keys()
+    free_total, vs_whole = _rel_rms(flat(free), flat(whole)), _rel_rms(flat(ch), flat(whole))
+    del free
+
+    model.zero_grad(set_to_none=True)  # the fp32 reference: torch paths, routing replayed
+    model.set_backend("torch")
+    loss_impl, model.loss_impl = model.loss_impl, "torch"
+    try:
+        with routing_tape(tape):
+            model(x, labels=y, return_logits=False).loss.backward()
+    finally:
+        model.set_backend("auto")
+        model.loss_impl = loss_impl
+    f32 = grads()
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        got = SequenceChunker(C).forward_backward(model, x, y)
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert grads.keys() == ref.keys()
-    errs = {n: _rel_rms(grads[n], ref[n]) for n in ref}
-    worst = sorted(errs.items(), key=lambda kv: -kv[1])[:5]
-    print(f"loss whole {out.lm_loss.item():.6f} chunked {got.lm_loss.item():.6f}; worst grad rel-RMS {worst}; {impl}")
-    assert "kda:fla" in impl and "dsa:triton" in impl
-    flat = lambda g: torch.cat([g[n].flatten().double() for n in sorted(g)])  # noqa: E731
-    total = _rel_rms(flat(grads), flat(ref))
-    print(f"all gradients rel-RMS {total:.2e}")
-    assert abs(got.lm_loss.item() - out.lm_loss.item()) <= 2e-3 * abs(out.lm_loss.item())
-    # bf16: sums over tokens round differently chunk by chunk; tiny parameters (mHC base/scale, A_log)
-    # see the most of it (a CPU bf16 run of the tiny model: up to 5% on those, 1% over all gradients).
-    assert total <= 2e-2 and max(errs.values()) <= 1e-1
+    e_ch = {n: _rel_rms(ch[n], f32[n]) for n in f32}
+    e_wh = {n: _rel_rms(whole[n], f32[n]) for n in f32}
+    ranked = sorted(f32, key=lambda n: -e_ch[n] / max(e_wh[n], 1e-6))
+    return {"loss_whole": out.lm_loss.item(), "loss_chunked": got.lm_loss.item(), "impl": impl,
+            "chunked_vs_fp32": _rel_rms(flat(ch), flat(f32)), "whole_vs_fp32": _rel_rms(flat(whole), flat(f32)),
+            "chunked_vs_whole": vs_whole, "free_chunked_vs_whole": free_total,
+            "worst": [(n, e_ch[n], e_wh[n]) for n in ranked[:5]],
+            "params_over": [n for n in f32 if e_ch[n] > 2 * e_wh[n] + 2e-2]}

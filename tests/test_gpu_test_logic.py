@@ -55,3 +55,20 @@ def test_recorded_routing_replays_the_expert_choices_across_chunks():
                 moe(x[:, :1])
         free = moe(x)
     assert (forced - free).abs().max() > 1e-3
+
+
+def test_chunked_vs_whole_comparison_runs_and_holds_on_the_cpu():
+    """tests/test_gpu_sequence_chunks.py's comparison, run with the tiny model on the CPU (bf16 autocast):
+    its logic (routing recorded, replayed in both sweeps and in the fp32 reference) and its criterion."""
+    import dataclasses
+
+    from test_gpu_sequence_chunks import assert_as_exact_as_whole, compare_chunked_with_whole
+
+    from longctx.config import preset
+    from longctx.model import LongCtxModel
+
+    torch.manual_seed(0)
+    model = LongCtxModel(dataclasses.replace(preset("tiny"), index_heads=16)).train()
+    r = compare_chunked_with_whole(model, 512, 128)
+    assert "moe:" in r["impl"] and r["whole_vs_fp32"] > 1e-3  # bf16 really ran; fp32 really differs
+    assert_as_exact_as_whole(r)

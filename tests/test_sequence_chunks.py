@@ -97,6 +97,85 @@ def test_attention_residuals_and_a_one_token_last_chunk():
     assert max(((g[n] - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-30)).item() for n in ref) < 1e-5
 
 
+def _max_err(g, ref):
+    return max(((g[n] - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-30)).item() for n in ref)
+
+
+class _RerouteAfterForwardSweep(SequenceChunker):
+    """Moves every router's bias after the forward sweep: a stand-in for a backward-sweep recompute
+    that is not bit-identical to the forward sweep (bf16, other kernels) and so routes differently."""
+
+    def _forward_sweep(self, model, *a, **kw):
+        out = super()._forward_sweep(model, *a, **kw)
+        if kw.get("tape") is not None:
+            with torch.no_grad():
+                for mod in model.modules():
+                    if isinstance(mod, MoE):
+                        mod.router.bias.add_(torch.randn_like(mod.router.bias) * 10)
+        return out
+
+
+def test_backward_sweep_replays_the_forward_sweeps_routing(monkeypatch):
+    """The backward sweep routes from the tape, not afresh: with the routers moved after the forward
+    sweep (the bias only chooses experts; the weights come from the scores), the gradient is still the
+    whole sequence's, and the backward sweep never calls select_experts."""
+    import longctx.layers.moe as moe_mod
+
+    m = _model()
+    x, y = _batch(m.cfg)
+    bias = {n: b.clone() for n, b in m.named_buffers() if n.endswith("router.bias")}
+    assert bias and any(k.startswith("layers.") for k in bias)
+    m(x, labels=y).loss.backward()
+    ref = _grads(m)
+    m.zero_grad(set_to_none=True)
+    calls, orig = [], moe_mod.select_experts
+    monkeypatch.setattr(moe_mod, "select_experts", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    chunker = _RerouteAfterForwardSweep(16)
+    chunker.forward_backward(m, x, y)
+    n_moe = sum(isinstance(mod, MoE) for mod in m.modules())
+    assert len(calls) == 5 * n_moe  # the forward sweep only: 5 chunks of <= 16 tokens, one call each
+    assert chunker.last_stats["routing_bytes"] == n_moe * x.numel() * m.cfg.experts_per_token * 2  # int16
+    assert _max_err(_grads(m), ref) < 1e-5
+    # the same perturbation without the tape changes the gradient: the test can fail
+    for n, b in m.named_buffers():
+        if n in bias:
+            b.copy_(bias[n])
+    m.zero_grad(set_to_none=True)
+    import longctx.memory.sequence_chunks as sc
+
+    class _NoReplay(moe_mod.RoutingTape):
+        replay = property(lambda self: False, lambda self, v: None)
+
+    monkeypatch.setattr(sc, "RoutingTape", _NoReplay)
+    _RerouteAfterForwardSweep(16).forward_backward(m, x, y)
+    assert _max_err(_grads(m), ref) > 1e-3
+
+
+def test_a_recorded_tape_replays_in_both_sweeps():
+    """A tape recorded by a whole-sequence forward drives the chunked step's routing (how the GPU test
+    compares the chunked step with the whole sequence under bf16, where rounding flips near-tied
+    choices at initialisation): the chunked step then calls select_experts not at all."""
+    import longctx.layers.moe as moe_mod
+
+    m = _model()
+    x, y = _batch(m.cfg)
+    tape = moe_mod.RoutingTape()
+    with moe_mod.routing_tape(tape):
+        m(x, labels=y).loss.backward()
+    ref = _grads(m)
+    m.zero_grad(set_to_none=True)
+    tape.replay, calls, orig = True, [], moe_mod.select_experts
+    moe_mod.select_experts = lambda *a, **kw: calls.append(1) or orig(*a, **kw)
+    try:
+        SequenceChunker(16).forward_backward(m, x, y, routing=tape)
+    finally:
+        moe_mod.select_experts = orig
+    assert not calls and _max_err(_grads(m), ref) < 1e-5
+    tape.offset = 60
+    with pytest.raises(RuntimeError, match="no recorded routing for 2 x 16 tokens at position 60"):
+        tape.lookup(next(mod for mod in m.modules() if isinstance(mod, MoE)), 2, 16)
+
+
 def test_chunks_record_the_balance_once_each():
     m = _model()
     x, y = _batch(m.cfg)

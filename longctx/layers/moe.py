@@ -112,6 +112,62 @@ class replaying:
         return False
 
 
+class RoutingTape:
+    """Expert choices by token position, per MoE layer: recorded by one forward, replayed by later
+    forwards over the same tokens.
+
+    Why: a recompute that is not bit-identical to the forward it redoes (the sequence-chunked step
+    rebuilds each chunk through other kernels than its prefill sweep used) can send a near-tied token
+    to other experts; the gradient is then that of another function than the one whose carries it
+    uses. At initialisation router scores are nearly tied and bf16 flips many choices (seed 000's
+    trainer-vs-inference routing mismatch). Replaying the recorded indices makes the recompute route
+    exactly as the forward did; the combine weights are still computed (and differentiated) afresh.
+
+    `offset` is the sequence position of the next forward's first token (the chunked step sets it per
+    chunk); a forward of T tokens reads positions [offset, offset + T) of any recording that covers
+    them. Indices are kept as int16 when the expert count allows (16 MiB per MoE layer at 1M tokens,
+    top-8)."""
+
+    def __init__(self, replay: bool = False):
+        self.replay, self.offset = replay, 0
+        self._rec: dict = {}  # module -> list of (offset, [B, T, k] indices)
+
+    def record(self, module, idx: torch.Tensor, batch: int) -> None:
+        small = torch.int16 if module.n_experts <= torch.iinfo(torch.int16).max else torch.int32
+        self._rec.setdefault(module, []).append((self.offset, idx.to(small).view(batch, -1, idx.shape[-1])))
+
+    def lookup(self, module, batch: int, tokens: int) -> torch.Tensor:
+        """The recorded [batch * tokens, k] int64 indices of positions [offset, offset + tokens)."""
+        for o, t in self._rec.get(module, ()):
+            if o <= self.offset and self.offset + tokens <= o + t.shape[1] and t.shape[0] == batch:
+                rows = t[:, self.offset - o : self.offset - o + tokens]
+                return rows.reshape(batch * tokens, -1).long()
+        raise RuntimeError(f"RoutingTape: no recorded routing for {batch} x {tokens} tokens at position "
+                           f"{self.offset} of this MoE layer (recorded: "
+                           f"{[(o, tuple(t.shape)) for o, t in self._rec.get(module, ())]})")
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for recs in self._rec.values() for _, t in recs)
+
+
+_TAPE: list = [None]
+
+
+class routing_tape:
+    """Context: MoE forwards inside record into (or, when `tape.replay`, replay from) `tape`."""
+
+    def __init__(self, tape: RoutingTape | None):
+        self.tape = tape
+
+    def __enter__(self):
+        self._prev, _TAPE[0] = _TAPE[0], self.tape
+        return self.tape
+
+    def __exit__(self, *a):
+        _TAPE[0] = self._prev
+        return False
+
+
 def _in_backward() -> bool:
     """True while autograd's engine runs (an activation-recompute forward) or during a replay."""
     return torch._C._current_graph_task_id() != -1 or _REPLAY_DEPTH[0] > 0
@@ -289,12 +345,16 @@ class MoE(nn.Module):
                 )
         return impl
 
-    def _chunk(self, x: torch.Tensor, impl: str, want_aux: bool, keep: list | None):
-        """Route and run one chunk of tokens x [t, h]. Returns (output, detached scores, load, prob sum)."""
+    def _chunk(self, x: torch.Tensor, impl: str, want_aux: bool, keep: list | None, forced: torch.Tensor | None = None):
+        """Route and run one chunk of tokens x [t, h] (to the experts `forced` [t, k] when given: a
+        replayed RoutingTape). Returns (output, detached scores, load, prob sum, expert indices)."""
         t, k = x.shape[0], self.top_k
         scores = self.router(x)  # [t, E] fp32, grad flows to router.weight through the weights
-        with torch.no_grad():
-            idx = select_experts(scores + self.router.bias, k, self.n_group, self.topk_group)
+        if forced is not None:
+            idx = forced
+        else:
+            with torch.no_grad():
+                idx = select_experts(scores + self.router.bias, k, self.n_group, self.topk_group)
         w = scores.gather(1, idx)
         if self.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
@@ -317,7 +377,7 @@ class MoE(nn.Module):
         prob_sum = (scores / scores.sum(-1, keepdim=True)).sum(0) if want_aux else None
         if keep is not None:
             keep.append({"scores": scores.detach(), "indices": idx, "weights": w.detach()})
-        return out, scores.detach(), counts, prob_sum
+        return out, scores.detach(), counts, prob_sum, idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -334,9 +394,15 @@ class MoE(nn.Module):
         if step < 1:
             raise ValueError(f"MoE.chunk_tokens must be >= 1 or None (got {self.chunk_tokens})")
         keep = [] if record and not self.release_router_state else None
-        outs, scores, load, prob_sum = [], [], None, None
+        tape = _TAPE[0]
+        batch = shape[0] if len(shape) == 3 else 1
+        forced = tape.lookup(self, batch, m // batch) if tape is not None and tape.replay else None
+        outs, scores, load, prob_sum, chosen = [], [], None, None, []
         for start in range(0, m, step):
-            o, s, c, p = self._chunk(x[start : start + step], impl, want_aux, keep)
+            f = forced[start : start + step] if forced is not None else None
+            o, s, c, p, idx = self._chunk(x[start : start + step], impl, want_aux, keep, f)
+            if tape is not None and not tape.replay:
+                chosen.append(idx)
             outs.append(o)
             if train and self.balancer == "quantile":
                 scores.append(s)
@@ -344,6 +410,8 @@ class MoE(nn.Module):
             if p is not None:
                 prob_sum = p if prob_sum is None else prob_sum + p
         out = torch.cat(outs) if len(outs) != 1 else outs[0]
+        if chosen:
+            tape.record(self, torch.cat(chosen) if len(chosen) != 1 else chosen[0], batch)
 
         if record:
             self.last_impl = f"moe:{impl}"

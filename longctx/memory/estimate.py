@@ -174,6 +174,9 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
             kept[f"layer {i} (D) latents + grad"] = b
         else:
             kept[f"layer {i} (K) carries"] = 2 * n_chunks * cfg.kda_heads * cfg.kda_head_dim**2 * 4
+    n_moe = cfg.mlp_kinds().count("m")
+    if n_moe:  # the forward sweep's expert choices, replayed by the backward sweep (moe.RoutingTape)
+        kept["MoE routing tape (int16)"] = n_moe * S * cfg.experts_per_token * (2 if cfg.n_routed_experts <= 32767 else 4)
     for name, b in e["kept_gpu"].items():
         kept[f"{name}, one chunk"] = b
     host = {f"layer {i} selection": S * cfg.index_width() * 4 for i, k in enumerate(kinds) if k == "D" and idx[i] == "f"}

@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import ConfigError
 from ..layers.dsa import LatentPrefix
 from ..layers.kda import KDAState
-from ..layers.moe import replaying
+from ..layers.moe import RoutingTape, replaying, routing_tape
 
 
 def check_supported(model) -> None:
@@ -78,9 +78,13 @@ class SequenceChunker:
         self.progress = None  # optional callable(str): one line per chunk of each sweep (benchmarks)
 
     # ------------------------------------------------------------------ step
-    def forward_backward(self, model, input_ids: torch.Tensor, labels: torch.Tensor):
+    def forward_backward(self, model, input_ids: torch.Tensor, labels: torch.Tensor, routing: RoutingTape | None = None):
         """Forward + backward of the LM loss over [B, S] tokens; gradients accumulate into .grad.
-        Returns a ModelOutput with the (detached) loss and per-token losses."""
+        Returns a ModelOutput with the (detached) loss and per-token losses.
+
+        MoE routing: the forward sweep records every expert choice (a RoutingTape) and the backward
+        sweep replays it, so each rebuilt chunk routes exactly as the sweep whose carries it uses.
+        `routing`: a tape recorded elsewhere (positions 0..S) to replay in both sweeps instead."""
         from ..model import ModelOutput
 
         check_supported(model)
@@ -90,7 +94,10 @@ class SequenceChunker:
             check_chunk(model, C)
         bounds = self._bounds(S)
         n_tokens = (labels != -100).sum().clamp(min=1)
-        carries, selections, caches = self._forward_sweep(model, input_ids, bounds)
+        tape = routing if routing is not None else RoutingTape()
+        with routing_tape(tape):
+            carries, selections, caches = self._forward_sweep(model, input_ids, bounds, tape=tape)
+        tape.replay = True
         cfg, P = model.cfg, model.cfg.index_pool
         kl_layers = [i for i, b in enumerate(model.layers) if b.kind == "D" and b.mixer.indexer is not None]
         self._kl = None
@@ -117,7 +124,8 @@ class SequenceChunker:
         for ci in range(len(bounds) - 1, -1, -1):
             s0, s1 = bounds[ci]
             leaves, outs, grads, pools = {}, [], [], {}
-            with replaying():
+            tape.offset = s0
+            with replaying(), routing_tape(tape):
                 tl, ends = self._chunk_graph(model, input_ids[:, s0:s1], labels[:, s0:s1], s0, ci, carries,
                                              selections, latent, leaves, pools)
             loss = tl.sum() / n_tokens
@@ -138,7 +146,7 @@ class SequenceChunker:
                 elif kinds[i] == "D" and end.requires_grad:
                     outs.append(end)
                     grads.append(d_latent[i][:, s0:s1].to(end.dtype))
-            with torch.autocast(input_ids.device.type, enabled=False):  # backward as outside the step's autocast
+            with torch.autocast(input_ids.device.type, enabled=False), routing_tape(tape):  # recomputes replay
                 torch.autograd.backward(outs, grads)
             for i, lv in leaves.items():
                 if kinds[i] == "K":
@@ -154,7 +162,7 @@ class SequenceChunker:
                 total_kl += kl.detach()
             self._report(f"backward sweep: chunk {ci + 1}/{len(bounds)} done", input_ids)
         token_losses = torch.cat(losses[::-1], 1)
-        self.last_stats = {"chunks": len(bounds), "chunk": C}
+        self.last_stats = {"chunks": len(bounds), "chunk": C, "routing_bytes": tape.bytes()}
         self._kl = None
         aux = {"indexer_kl": total_kl} if cfg.indexer_loss and model.training and kl_layers else {}
         return ModelOutput(loss=total + total_kl, lm_loss=total, token_losses=token_losses, aux=aux)
@@ -174,9 +182,10 @@ class SequenceChunker:
 
     # ------------------------------------------------------------------ the two sweeps
     @torch.no_grad()
-    def _forward_sweep(self, model, input_ids, bounds, labels=None, losses=None):
+    def _forward_sweep(self, model, input_ids, bounds, labels=None, losses=None, tape=None):
         """Run every chunk through every layer once; record the carries each chunk starts from.
-        With `losses` (a list): append each chunk's token losses and record nothing else."""
+        With `losses` (a list): append each chunk's token losses and record nothing else. With `tape`
+        (active around the call): set its position to each chunk's start."""
         record = losses is None
         B = input_ids.shape[0]
         caches = model.init_caches(B, device=input_ids.device, dtype=self._act_dtype(model, input_ids))
@@ -184,6 +193,8 @@ class SequenceChunker:
         selections = [[None] * len(bounds) for _ in model.layers]
         host = self.selection_to_host and input_ids.is_cuda
         for ci, (s0, s1) in enumerate(bounds):
+            if tape is not None:
+                tape.offset = s0
             state = model.embed_state(input_ids[:, s0:s1])
             sel = None
             for i, block in enumerate(model.layers):
