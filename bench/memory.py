@@ -67,7 +67,9 @@ sys.path.insert(0, str(ROOT))
 
 from longctx.config import preset
 from longctx.layers.moe import MoE
+from longctx.memory import allocator
 from longctx.memory import estimate as est
+from longctx.memory import peak as peak_mod
 from longctx.memory.meter import LiveBytes
 from longctx.memory.plan import MemoryPlan, apply_plan
 from longctx.model import LongCtxModel
@@ -221,6 +223,7 @@ def model_flops(model: LongCtxModel, S: int) -> dict:
 class Bench:
     def __init__(self, args):
         self.args = args
+        self.cuda_alloc = allocator.configure(getattr(args, "cuda_alloc", allocator.DEFAULT))  # before CUDA starts
         self.dev = Device(args.cpu_smoke)
         # smoke: tiny with fewer, larger steps inside (3 Sinkhorn rounds, KDA chunks of 64): LiveBytes
         # pays per op
@@ -263,7 +266,7 @@ class Bench:
                 "preset": "tiny" if self.args.cpu_smoke else "h200-ref", "params": n,
                 "autocast": str(self.dtype).replace("torch.", ""), "peak_tflops": PEAK_FLOPS / 1e12,
                 "residual_impl": getattr(self.args, "residual_impl", None) or "auto",
-                "model": self.cfg.to_dict()}
+                "cuda_alloc": self.cuda_alloc, "model": self.cfg.to_dict()}
 
     def save(self):
         tmp = self.path.with_suffix(".json.tmp")
@@ -412,6 +415,31 @@ class Bench:
         self.log(f"profile at {S}: step {step_s:.2f} s, wrote {path}")
         self._cleanup(policy)
 
+    def peak(self, S: int, name: str):
+        """One warm step of config `name` at S under the allocator's event history: what was alive at
+        its peak, by the line of longctx that allocated it (OUT/peak_<S>_<name>.txt, and the JSON)."""
+        base = self.all_on(S)
+        plan = (dataclasses.replace(base, recompute="on", offload=str(self.cfg.num_layers)) if name == "offload_all"
+                else CONFIGS[name](base))
+        self.measure(plan, S, 1)  # warm: compiled, optimizer state, kept buffers exist
+        with peak_mod.record(self.dev.dev) as rec:
+            r = self.measure(plan, S, 1)
+        if r["status"] != "ok":
+            self.log(f"peak at {S} ({name}): {r['status']}")
+            return
+        got = peak_mod.alive_at_peak(rec["events"], rec["before"])
+        est_gib = self.estimate(plan, S)["estimate_gib"]
+        head = (f"{self.res['command']}\n{name} at {S}: measured peak {r['peak_allocated_gib']:.2f} GiB, "
+                f"estimate {est_gib:.2f} GiB\n")
+        path = self.out / f"peak_{S}_{name}.txt"
+        path.write_text(head + peak_mod.format_peak(got) + "\n")
+        self.res.setdefault("alive_at_peak", {})[f"{name}@{S}"] = {
+            "peak_allocated_gib": r["peak_allocated_gib"], "estimate_gib": est_gib, "plan": plan.to_dict(),
+            "replayed_peak_gib": got["peak_bytes"] / GIB, "before_gib": got["untracked_bytes"] / GIB,
+            "by_site_gib": [(w, b / GIB, n) for w, b, n in got["by_site"]]}
+        self.save()
+        self.log(f"peak at {S} ({name}): {r['peak_allocated_gib']:.2f} GiB, wrote {path}")
+
     def runs(self, lens, configs):
         done = {(r["config"], r["seq_len"]) for r in self.res["runs"]}
         oom_at = {}
@@ -453,21 +481,31 @@ class Bench:
         self.res["baseline_max_context"] = {"max_ok": best, "estimate_max": pred, "attempts": attempts}
         self.save()
 
-    def offload_pinned_vs_pageable(self, S: int):
+    OFFLOAD_MODES = {"pinned": (True, True), "pinned_kept": (True, False), "pageable": (False, True), "no_offload": None}
+
+    def offload_pinned_vs_pageable(self, S: int, modes=tuple(OFFLOAD_MODES)):
+        """Offload's cost: every block's input offloaded (pinned and released each step, pinned and kept,
+        pageable) against no offload, at S; in the order of `modes`, saved after each."""
         if self.args.resume and "offload_pinned_vs_pageable" in self.res:
             return
         base = dataclasses.replace(self.all_on(S), recompute="on", offload=str(self.cfg.num_layers))
         out = {"seq_len": S, "offload_blocks": self.cfg.num_layers}
-        for name, pin, release in (("pinned", True, True), ("pinned_kept", True, False), ("pageable", False, True)):
-            plan = dataclasses.replace(base, pin_memory=pin, release_pinned=release)
+        self.res["offload_pinned_vs_pageable"] = out
+        for name in modes:
+            if self.OFFLOAD_MODES[name] is None:
+                plan = dataclasses.replace(base, offload="off")
+            else:
+                pin, release = self.OFFLOAD_MODES[name]
+                plan = dataclasses.replace(base, pin_memory=pin, release_pinned=release)
             out[name] = {**self.estimate(plan, S), **self.measure(plan, S, self.reps(S))}
             self.log(f"offload {name}: " + _line({"config": name, "seq_len": S, **out[name]}))
-        no_off = dataclasses.replace(base, offload="off")
-        out["no_offload"] = {**self.estimate(no_off, S), **self.measure(no_off, S, self.reps(S))}
-        if out["pinned"]["status"] == out["pageable"]["status"] == "ok":
-            out["pageable_over_pinned_step"] = out["pageable"]["step_s"] / out["pinned"]["step_s"]
+            self.save()
+        ok = {k: v["step_s"] for k, v in out.items() if isinstance(v, dict) and v.get("status") == "ok"}
+        if "no_offload" in ok:
+            out["step_over_no_offload"] = {k: t / ok["no_offload"] for k, t in ok.items() if k != "no_offload"}
+        if "pinned" in ok and "pageable" in ok:
+            out["pageable_over_pinned_step"] = ok["pageable"] / ok["pinned"]
         out["copy_bandwidth"] = self._copy_bandwidth(S)
-        self.res["offload_pinned_vs_pageable"] = out
         self.save()
 
     def _copy_bandwidth(self, S: int) -> dict | None:
@@ -730,10 +768,12 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
                        f"step {_f(r.get('step_s'))} s")
         if o.get("pageable_over_pinned_step"):
             out.append(f"- pageable / pinned step time: {o['pageable_over_pinned_step']:.2f}x")
-        pin, none = o.get("pinned") or {}, o.get("no_offload") or {}
-        if pin.get("status") == none.get("status") == "ok":
-            out.append(f"- offload's cost (pinned / no offload step time): {pin['step_s'] / none['step_s']:.2f}x "
-                       "(target <= 1.15)")
+        none = o.get("no_offload") or {}
+        for name in ("pinned", "pinned_kept", "pageable"):
+            r = o.get(name) or {}
+            if r.get("status") == none.get("status") == "ok":
+                out.append(f"- offload's cost ({name} / no offload step time): {r['step_s'] / none['step_s']:.2f}x "
+                           "(target <= 1.15)")
 
     best = max((r["seq_len"] for r in shown if r["config"] == "all_on" and r["status"] == "ok"), default=None)
     base = (bl or {}).get("max_ok")
@@ -774,11 +814,18 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="steps per measurement below 512k (the last is timed)")
     ap.add_argument("--host-steps", type=int, help="steps of the host-memory test (default 20; quick 5; smoke 3)")
     ap.add_argument("--host-seqlen", type=int, help="sequence length of the host-memory test (default 256k; quick 32k)")
+    ap.add_argument("--cuda-alloc", default=allocator.DEFAULT,
+                    help="CUDA allocator settings ('' = torch's defaults, as every run before this switch)")
+    ap.add_argument("--offload-modes", default=",".join(Bench.OFFLOAD_MODES),
+                    help="which offload runs, in order: " + ",".join(Bench.OFFLOAD_MODES))
     ap.add_argument("--offload-seqlen", type=int, help="sequence length of pinned vs pageable (default 256k; quick 32k)")
     ap.add_argument("--resume", action="store_true", help="keep OUT/memory.json's results and add the missing ones")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--residual-impl", choices=["auto", "torch", "liger"],
                     help="mHC implementation for every run (default auto = torch; liger: the fused kernels, opt-in)")
+    ap.add_argument("--peak", metavar="S[:CONFIG]",
+                    help="CUDA: after the runs, what is alive at the peak of one warm step at S tokens under CONFIG "
+                         "(all_on, a switch-off config, or offload_all; default all_on)")
     ap.add_argument("--profile", type=int, metavar="S", help="after the runs, profile one warm all-on step at S tokens")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first step (the first run then includes compilation)")
     ap.add_argument("--report", nargs="+", metavar="FILE", help="merge these memory.json files into OUT "
@@ -802,8 +849,27 @@ def main(argv=None) -> int:
         return 2
     if "all_on" not in configs:
         configs = ["all_on", *configs]
-    parts = set(a.parts.split(","))
+    parts = set(a.parts.split(",")) - {"none"}
+    if parts - {"runs", "baseline", "offload", "host"}:
+        print(f"error: --parts {a.parts!r}: use some of runs,baseline,offload,host (or none: only --profile/--peak)",
+              file=sys.stderr)
+        return 2
 
+    peak_at = None
+    if a.peak:
+        n, _, name = a.peak.partition(":")
+        name = name or "all_on"
+        if not n.isdigit() or (name not in CONFIGS and name != "offload_all"):
+            print(f"error: --peak {a.peak!r}: use S[:CONFIG] with S a token count and CONFIG one of all_on, "
+                  f"offload_all, {', '.join(c for c in CONFIGS if c != 'all_on')}", file=sys.stderr)
+            return 2
+        peak_at = (int(n), name)
+    modes = tuple(a.offload_modes.split(","))
+    unknown = [m for m in modes if m not in Bench.OFFLOAD_MODES]
+    if unknown:
+        print(f"error: --offload-modes: unknown {', '.join(unknown)}; use some of {','.join(Bench.OFFLOAD_MODES)}",
+              file=sys.stderr)
+        return 2
     threads = torch.get_num_threads()
     if a.cpu_smoke:
         torch.set_num_threads(1)
@@ -817,10 +883,12 @@ def main(argv=None) -> int:
             b.runs(lens, configs)
         if a.profile and not a.cpu_smoke:
             b.profile(a.profile)
+        if peak_at is not None and not a.cpu_smoke:
+            b.peak(*peak_at)
         if "baseline" in parts:
             b.baseline_max(256 if a.cpu_smoke else 4 * K, 4 * K if a.cpu_smoke else 2048 * K)
         if "offload" in parts:
-            b.offload_pinned_vs_pageable(512 if a.cpu_smoke else a.offload_seqlen or (32 * K if a.quick else 256 * K))
+            b.offload_pinned_vs_pageable(512 if a.cpu_smoke else a.offload_seqlen or (32 * K if a.quick else 256 * K), modes)
         if "host" in parts:
             b.host_memory(256 if a.cpu_smoke else a.host_seqlen or (32 * K if a.quick else 256 * K),
                           a.host_steps or (3 if a.cpu_smoke else 5 if a.quick else 20))

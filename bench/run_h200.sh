@@ -4,7 +4,8 @@
 #   (bench/indexer.py, bench/fused_loss.py --modes amp and bench/mhc.py ran the same way: bench/results/*.json)
 #   bash bench/run_h200.sh memory    # 8k warm-up, the 1M step, a profiled 128k step, the 8k..128k ablation
 #   bash bench/run_h200.sh step1m    # 8k warm-up, the 1M step, a profiled 128k step, baseline max, host memory
-#   NO_PACK=1 bash bench/run_h200.sh extras  # 128k/256k switches, offload cost + pinned vs pageable, liger mHC
+#   NO_PACK=1 bash bench/run_h200.sh extras  # offload cost + pinned vs pageable, liger mHC, 128k/256k switches
+#   bash bench/run_h200.sh tests offload     # parts run in order in one call: tests, e2e, kda, offload, liger, peak, switches
 # The files each call brings back go to bench/results/memory_runs/ (numbered in call order), then
 #   python bench/memory.py --report bench/results/memory_runs/*.json --out bench/results
 # Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh); results go to $OUT.
@@ -26,40 +27,71 @@ pack_cache() { tar czf - .triton-cache 2>/dev/null | split -b 15m - "$OUT/triton
 [ -z "${NO_PACK:-}" ] && trap pack_cache EXIT
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-case "${1:-}" in
-kernels)
-  # every GPU test, logged whole (a tail through the tool's 12k-character window loses the failures),
-  # then the KDA benchmark (bench/indexer.py ran the same way: bench/results/indexer.json)
-  timeout 420 python -m pytest -q -rfE --tb=short -s tests/test_gpu_*.py > "$OUT/gpu_tests.log" 2>&1
+# Parts run in the order given, sharing the call's CALL_S (575) seconds: `left N` is N seconds or what is left, the less.
+CALL_S=${CALL_S:-575}
+left() { local r=$((CALL_S - SECONDS)); [ -n "${1:-}" ] && [ "$1" -lt "$r" ] && r=$1; echo $((r > 1 ? r : 1)); }
+[ $# -eq 0 ] && set -- usage
+[ "$1" = kernels ] && set -- tests e2e kda
+[ "$1" = extras ] && set -- offload liger switches
+for part in "$@"; do
+case "$part" in
+tests)
+  # the GPU test files (all but the 128k end-to-end check, or those named in GPU_TESTS, in that order),
+  # each under its own timeout so that one slow file does not hide the others, logged whole (a tail
+  # through the tool's 12k-character window loses the failures), with each test's duration
+  for f in ${GPU_TESTS:-fused_loss indexer kda mhc sequence_chunks sparse_attention test_logic}; do
+    echo "=== tests/test_gpu_$f.py" >> "$OUT/gpu_tests.log"
+    timeout $(left 200) python -m pytest -q -rfE --tb=short -s --durations=0 -o faulthandler_timeout=90 "tests/test_gpu_$f.py" >> "$OUT/gpu_tests.log" 2>&1
+    echo "=== tests/test_gpu_$f.py: exit $?" | tee -a "$OUT/gpu_tests.log"
+  done
   grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -15
-  timeout $((575 - SECONDS)) python bench/kda.py --out "$OUT" > "$OUT/kda.log" 2>&1; tail -5 "$OUT/kda.log"
+  ;;
+e2e)
+  # the 128k training-forward vs decode-path check (about 250 s)
+  timeout $(left) python -m pytest -q -rfE --tb=short -s tests/test_gpu_end_to_end.py > "$OUT/gpu_e2e.log" 2>&1
+  tail -5 "$OUT/gpu_e2e.log"
+  ;;
+kda)
+  timeout $(left) python bench/kda.py --out "$OUT" > "$OUT/kda.log" 2>&1; tail -5 "$OUT/kda.log"
   ;;
 memory)
   # warm-up at 8k (compiles, optimizer state), one 1M step in steady state, a profiled 128k step,
   # then the ablation (each switch off in turn) at 8k, 32k, 128k while time is left
-  timeout $((470 - SECONDS)) python bench/memory.py --out "$OUT" --parts runs --configs all_on --seqlens 1048576 \
+  timeout $(left 440) python bench/memory.py --out "$OUT" --parts runs --configs all_on --seqlens 1048576 \
       --profile 131072 > "$OUT/memory_1m.log" 2>&1; tail -6 "$OUT/memory_1m.log"
-  timeout $((570 - SECONDS)) python bench/memory.py --out "$OUT" --parts runs --resume --reps 1 \
+  timeout $(left) python bench/memory.py --out "$OUT" --parts runs --resume --reps 1 \
       --seqlens 8192,32768,131072 > "$OUT/memory_ablation.log" 2>&1; tail -30 "$OUT/memory_ablation.log"
   ;;
 step1m)
   # warm-up at 8k (compiles, optimizer state), one 1M step in steady state (a line per chunk, with the
   # peak so far), a profiled 128k step, the baseline's longest context, host memory over 20 steps
-  timeout $((575 - SECONDS)) python bench/memory.py --out "$OUT" --parts runs,baseline,host --configs all_on \
+  timeout $(left) python bench/memory.py --out "$OUT" --parts runs,baseline,host --configs all_on \
       --seqlens 1048576 --profile 131072 --host-seqlen 65536 > "$OUT/memory_1m.log" 2>&1; tail -40 "$OUT/memory_1m.log"
   ;;
-extras)
-  # what the memory calls have not measured yet, most important first: offload's cost at 256k (pinned,
-  # pinned with kept buffers, pageable, no offload), a profiled 128k step with liger's mHC kernels (the
-  # torch mHC path is half of a 128k step: bench/NOTES.md), then the 128k and 256k switches.
-  # Run with NO_PACK=1: the device tool returns 8 files at most, and this part writes 8.
-  timeout 300 python bench/memory.py --out "$OUT" --parts offload --seqlens 262144 --offload-seqlen 262144 \
+offload)
+  # offload's cost at 256k: pinned, pinned with kept buffers, pageable, no offload
+  timeout $(left 240) python bench/memory.py --out "$OUT" --parts offload --seqlens 262144 --offload-seqlen 262144 \
+      --offload-modes ${OFFLOAD_MODES:-pinned,pinned_kept,pageable,no_offload} \
       > "$OUT/memory_offload.log" 2>&1; tail -8 "$OUT/memory_offload.log"
-  timeout $((430 - SECONDS)) python bench/memory.py --out "$OUT/liger" --residual-impl liger --parts runs --configs all_on \
+  ;;
+liger)
+  # a profiled 128k step with liger's mHC kernels (the torch mHC path is half of a 128k step: bench/NOTES.md)
+  timeout $(left) python bench/memory.py --out "$OUT/liger" --residual-impl liger --parts runs --configs all_on \
       --seqlens 131072 --profile 131072 > "$OUT/memory_liger_mhc.log" 2>&1; tail -4 "$OUT/memory_liger_mhc.log"
-  timeout $((575 - SECONDS)) python bench/memory.py --out "$OUT" --resume --parts runs --seqlens 131072,262144 \
+  ;;
+peak)
+  # what is alive at the peak, by allocating line: the offloaded 256k step (14% over its estimate), all-on 256k
+  timeout $(left 300) python bench/memory.py --out "$OUT/peak" --parts none --peak 262144:offload_all \
+      > "$OUT/memory_peak.log" 2>&1; tail -30 "$OUT"/peak/peak_*.txt
+  timeout $(left) python bench/memory.py --out "$OUT/peak" --resume --parts none --no-warmup --peak 262144 \
+      >> "$OUT/memory_peak.log" 2>&1; tail -4 "$OUT/memory_peak.log"
+  ;;
+switches)
+  # the 128k and 256k switches not measured yet
+  timeout $(left) python bench/memory.py --out "$OUT" --resume --parts runs --seqlens 131072,262144 \
       --configs all_on,chunked_indexer_off,reuse_selection_off,router_release_off,mhc_cast_recompute_off,moe_bf16_combine_off,loss_chunk_off \
       > "$OUT/memory_extras.log" 2>&1; tail -16 "$OUT/memory_extras.log"
   ;;
-*) echo "usage: bench/run_h200.sh kernels|memory|step1m|extras"; exit 2 ;;
+*) echo "usage: bench/run_h200.sh PART... with PART in tests e2e kda kernels memory step1m offload liger peak switches extras"; exit 2 ;;
 esac
+done

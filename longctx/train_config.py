@@ -115,6 +115,7 @@ class TrainConfig:
     loss_impl: str = "auto"      # auto | torch | liger; auto = liger on CUDA when it imports, torch otherwise
     residual_impl: str = "auto"  # auto | torch | liger (mHC only); auto = torch for now, liger is opt-in
     memory: dict = field(default_factory=dict)  # the memory plan; validated by the memory system
+    cuda_alloc: str = "expandable_segments:True"  # CUDA allocator settings (longctx.memory.allocator); "" = torch's
 
     def __post_init__(self):
         if self.model is None:

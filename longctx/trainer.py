@@ -27,6 +27,7 @@ from .data.sources import load_documents, load_split
 from .data.tokenizers import load_tokenizer, separator_id, tokenize_documents
 from .errors import ConfigError, UserError
 from .evaluate import format_table, per_position_loss
+from .memory import allocator
 from .model import LongCtxModel
 from .train_config import TrainConfig
 
@@ -82,6 +83,8 @@ class Trainer:
         self.quiet, self.log = quiet, log
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        if self.device.type == "cuda":
+            self.log(f"CUDA allocator: {allocator.configure(cfg.cuda_alloc)}")
         torch.manual_seed(cfg.seed)
         tok = load_tokenizer(cfg.data.tokenizer)
         if tok.vocab_size > cfg.model.vocab_size:

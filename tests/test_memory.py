@@ -255,6 +255,31 @@ def test_offload_keeps_its_buffers_across_steps_without_release_pinned(release):
     assert off._pool == {} and off.kept_bytes == 0
 
 
+def test_kept_buffers_never_exceed_one_steps_worth():
+    """release_pinned off with step sizes that change (another sequence length): buffers the step did
+    not take are handed back at its end, so the pool is at most the last step's offload, not a union."""
+    cfg = _cfg()
+    model = _model(cfg)
+    apply_plan(model, RECOMPUTE)
+    policy = RecomputePolicy(offload_layers=3, force_offload=True, pin_memory=False, release_pinned=False)
+    off = policy.offloader
+    off.min_bytes = 0
+    model.block_fn = policy
+    per_step = []
+    for s in (S, S // 2, S // 2):
+        ids, labels = _batch(cfg, s=s)
+        before = off.bytes_offloaded
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=labels, return_logits=False).loss.backward()
+        policy.end_step()
+        per_step.append(off.bytes_offloaded - before)
+        kept = sum(b.numel() for bufs in off._pool.values() for b in bufs)
+        assert kept == off.kept_bytes == per_step[-1], (s, kept, off.kept_bytes, per_step)
+    model.block_fn = None
+    assert per_step[0] > per_step[1] == per_step[2]
+    policy.close()
+
+
 def test_offload_refuses_a_second_backward():
     cfg = _cfg()
     model = _model(cfg)
@@ -526,6 +551,7 @@ def test_bench_memory_cpu_smoke(tmp_path):
     off = res["offload_pinned_vs_pageable"]
     assert off["pinned"]["status"] == "ok" and off["pageable"]["status"] == "ok"
     assert off["pinned"]["offloaded_gib"] > 0  # the smoke forces the offloader to copy CPU tensors
+    assert set(off["step_over_no_offload"]) == {"pinned", "pinned_kept", "pageable"}
     host = res["host_memory_with_offload"]
     assert len(host["rss_gib"]) == host["steps"] == 2 and host["status"] == "ok"
     # a second invocation with --resume keeps what is there and measures nothing again

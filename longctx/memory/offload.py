@@ -165,10 +165,13 @@ class Offloader:
         self._live_host = 0
         if self.stream is not None and torch.cuda.is_available():
             self.stream.synchronize()  # no copy still reads or writes a buffer given back below
+        unused = sum(raw.numel() for free in self._pool.values() for raw in free)
+        self._pool.clear()  # buffers this step did not take go back: the pool is never more than one step's
         for raw in self._taken:
             self._pool.setdefault(raw.numel(), []).append(raw)
         self._taken.clear()
-        if self.release_pinned:
+        self.kept_bytes -= unused
+        if self.release_pinned or unused:
             self._empty_host_cache()
 
     def close(self):
