@@ -448,3 +448,22 @@ def test_indexer_loss_under_no_grad_first_pass():
     assert kl.requires_grad
     kl.backward()
     assert layer.indexer.wq_b.weight.grad.abs().sum() > 0 and layer.q_b_proj.weight.grad is None
+
+
+def test_pool_scores_are_fp32_under_autocast():
+    """score(t, p) in fp32 as documented, also under bf16 autocast: bf16 scores tie, and torch.topk
+    breaks ties differently for the decode path's shorter rows (bench/decode_drift_layers.py)."""
+    cfg = make_cfg(index_pool=4, index_topk=16)
+    ind = KPoolIndexer(cfg, 0)
+    randomize(ind, 5)
+    x, ql = rand_inputs(cfg, 1, 40, 6)
+    pk = torch.randn(1, 10, cfg.index_head_dim)
+    ref = ind.pool_scores(ql, x, pk)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ind.pool_scores(ql.bfloat16(), x.bfloat16(), pk.bfloat16())
+        q_in = ql.bfloat16().float()  # what the projections see: bf16-rounded inputs
+    want = ind.pool_scores(q_in, x.bfloat16().float(), pk.bfloat16().float())
+    assert got.dtype == torch.float32
+    # the projections (wq_b, weights_proj) stay under autocast; the score matmuls must not be bf16
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max(), (got - want).abs().max()
+    assert ref.shape == got.shape

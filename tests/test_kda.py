@@ -195,3 +195,22 @@ def test_layer_backward_and_backend_choice():
     ours.backend = "bogus"
     with pytest.raises(ConfigError, match="bogus"):
         ours(x)
+
+
+def test_twin_computes_in_fp32_under_autocast():
+    """The docstring's promise under bf16 autocast (the training and decode paths of the CPU and of the
+    CUDA fallback): the same result as with autocast off, not bf16 matmuls; before the fix the state
+    was rounded to bf16 between chunks (~1e-3 apart)."""
+    from longctx.ops.kda import kda_step
+
+    q, k, v, g, beta, S0 = (x.float() for x in _inputs(1, 100, 2, 16, 16))
+    ref = kda_chunk(q, k, v, g, beta, 0.25, initial_state=S0, output_final_state=True, chunk_size=16)
+    ref_step = kda_step(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], 0.25, S0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = kda_chunk(q, k, v, g, beta, 0.25, initial_state=S0, output_final_state=True, chunk_size=16)
+        got_step = kda_step(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], 0.25, S0)
+        got_rec = kda_recurrent(q[:, :5], k[:, :5], v[:, :5], g[:, :5], beta[:, :5], 0.25, initial_state=S0)
+    assert got[1].dtype == torch.float32
+    for a, b in ((got[0], ref[0]), (got[1], ref[1]), (got_step[0], ref_step[0]), (got_step[1], ref_step[1])):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+    assert torch.allclose(got_rec[0], ref[0][:, :5], rtol=1e-4, atol=1e-4)

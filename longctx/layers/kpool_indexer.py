@@ -139,9 +139,10 @@ class KPoolIndexer(nn.Module):
         B, c = x.shape[:2]
         q = self.wq_b(q_latent).view(B, c, self.n_heads, self.head_dim)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
-        s = torch.matmul(q.float(), pk.float().transpose(-1, -2).unsqueeze(1))  # [B, c, H, n]
-        s = F.relu(s * self.head_dim**-0.5)
-        return torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
+        with torch.autocast(x.device.type, enabled=False):  # fp32 as promised: bf16 scores tie, and topk
+            s = torch.matmul(q.float(), pk.float().transpose(-1, -2).unsqueeze(1))  # breaks ties by row length
+            s = F.relu(s * self.head_dim**-0.5)  # [B, c, H, n]
+            return torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
 
     # ------------------------------------------------------------------ selection
     @torch.no_grad()
