@@ -261,42 +261,12 @@ VARIANTS = {  # name: (patch, replay the DSA selection, fp32 KDA conv cache)
 @contextlib.contextmanager
 def recorded_routing(model):
     """tests/test_gpu_end_to_end.py's `recorded_routing` (expert choices recorded in token order in the
-    training forward, replayed by a per-layer cursor), plus `rewind()` so that the fp32 reference
+    training forward, replayed by a per-layer cursor), with its `rewind()` so that the fp32 reference
     forward can replay them once more after the decode path."""
-    import longctx.layers.moe as moe_mod
+    from test_gpu_end_to_end import recorded_routing as recorded
 
-    mods = [m for m in model.modules() if isinstance(m, MoE)]
-    current, rec, cursor, replaying = [None], {m: [] for m in mods}, dict.fromkeys(mods, 0), [False]
-    orig = moe_mod.select_experts
-
-    def select(choice, k, *a, **kw):
-        m = current[0]
-        if not replaying[0]:
-            idx = orig(choice, k, *a, **kw)
-            rec[m].append(idx)
-            return idx
-        n, c = choice.shape[0], cursor[m]
-        if rec[m] is None or c + n > rec[m].shape[0]:
-            raise AssertionError("replayed past the recorded tokens")
-        cursor[m] = c + n
-        return rec[m][c : c + n]
-
-    def replay():
-        for m in mods:
-            rec[m] = torch.cat(rec[m]) if rec[m] else None
-        replaying[0] = True
-
-    def rewind():
-        for m in mods:
-            cursor[m] = 0
-
-    hooks = [m.register_forward_pre_hook(lambda mod, inp: current.__setitem__(0, mod)) for m in mods]
-    try:
-        with patched(moe_mod, "select_experts", select):
-            yield types.SimpleNamespace(replay=replay, rewind=rewind)
-    finally:
-        for h in hooks:
-            h.remove()
+    with recorded(model) as replay:
+        yield types.SimpleNamespace(replay=replay, rewind=replay.rewind)
 
 
 # ------------------------------------------------------------------ selection record / replay

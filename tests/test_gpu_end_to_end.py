@@ -56,6 +56,12 @@ def recorded_routing(model):
             rec[m] = torch.cat(rec[m]) if rec[m] else None
         replaying[0] = True
 
+    def rewind():  # replay the recorded tokens once more from the start (bench/decode_drift_layers.py)
+        for m in mods:
+            cursor[m] = 0
+
+    replay.rewind = rewind
+
     hooks = [m.register_forward_pre_hook(lambda mod, inp: current.__setitem__(0, mod)) for m in mods]
     moe_mod.select_experts = select
     try:
