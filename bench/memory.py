@@ -306,10 +306,8 @@ class Bench:
             if isinstance(m, MoE):
                 m._reset_pending()
                 m.router_state = None
-        if policy is not None:
-            policy.end_step()
-            if hasattr(policy, "close"):
-                policy.close()
+        if policy is not None:  # close() ends the step too and returns kept buffers; the chunker only ends it
+            (policy.close if hasattr(policy, "close") else policy.end_step)()
         self.model.block_fn = None
         self.dev.free(collect=True)
 

@@ -222,6 +222,15 @@ def test_offload_forced_on_cpu(residual):
     assert off.handles == [] and off.groups == {} and off.group_order == []
 
 
+def _offloading(model, release: bool):
+    """Recompute with 3 blocks offloaded into plain host buffers (force: CPU tensors are copied too)."""
+    apply_plan(model, RECOMPUTE)
+    policy = RecomputePolicy(offload_layers=3, force_offload=True, pin_memory=False, release_pinned=release)
+    policy.offloader.min_bytes = 0
+    model.block_fn = policy
+    return policy, policy.offloader
+
+
 @pytest.mark.parametrize("release", [True, False])
 def test_offload_keeps_its_buffers_across_steps_without_release_pinned(release):
     """release_pinned off: the second step packs into the very buffers of the first (no new
@@ -231,11 +240,7 @@ def test_offload_keeps_its_buffers_across_steps_without_release_pinned(release):
     model = _model(cfg)
     ids, labels = _batch(cfg)
     ref = _step(model, ids, labels, PLAIN)
-    apply_plan(model, RECOMPUTE)
-    policy = RecomputePolicy(offload_layers=3, force_offload=True, pin_memory=False, release_pinned=release)
-    off = policy.offloader
-    off.min_bytes = 0
-    model.block_fn = policy
+    policy, off = _offloading(model, release)
     ptrs = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)
@@ -260,11 +265,7 @@ def test_kept_buffers_never_exceed_one_steps_worth():
     not take are handed back at its end, so the pool is at most the last step's offload, not a union."""
     cfg = _cfg()
     model = _model(cfg)
-    apply_plan(model, RECOMPUTE)
-    policy = RecomputePolicy(offload_layers=3, force_offload=True, pin_memory=False, release_pinned=False)
-    off = policy.offloader
-    off.min_bytes = 0
-    model.block_fn = policy
+    policy, off = _offloading(model, release=False)
     per_step = []
     for s in (S, S // 2, S // 2):
         ids, labels = _batch(cfg, s=s)

@@ -33,20 +33,25 @@ def alive_at_peak(events: list[dict], before: int = 0, top: int = 25) -> dict:
     """Replay `events` (torch.cuda.memory._snapshot()['device_traces'][device]); `before`: bytes
     allocated when recording started (parameters, optimizer state: not in the trace). Returns
     {'peak_bytes', 'at_event', 'by_site': [(site, bytes, blocks)] largest first, 'untracked_bytes'}."""
-    live: dict[int, tuple[int, str]] = {}
-    total = peak = before
-    peak_live, at = {}, -1
-    for i, e in enumerate(events):
-        action = e.get("action")
-        if action == ALLOC:
-            live[e["addr"]] = (e["size"], _where(e.get("frames")))
-            total += e["size"]
-            if total > peak:
-                peak, at, peak_live = total, i, dict(live)
-        elif action in FREES and e.get("addr") in live:
-            total -= live.pop(e["addr"])[0]
-        elif action in FREES:  # allocated before recording began: part of `before`
-            total -= e.get("size", 0)
+    def replay(stop: int):
+        """Live blocks {addr: (size, event)} after event `stop`, the running total after each event."""
+        live, total, totals = {}, before, []
+        for i, e in enumerate(events[: stop + 1]):
+            action = e.get("action")
+            if action == ALLOC:
+                live[e["addr"]] = (e["size"], i)
+                total += e["size"]
+            elif action in FREES:  # not in `live`: allocated before recording began, part of `before`
+                total -= live.pop(e["addr"])[0] if e.get("addr") in live else e.get("size", 0)
+            totals.append(total)
+        return live, totals
+
+    _, totals = replay(len(events) - 1)
+    at = max(range(len(totals)), key=totals.__getitem__, default=-1)
+    peak = max(before, totals[at]) if at >= 0 else before
+    if peak == before:
+        at = -1
+    peak_live = {a: (size, _where(events[i].get("frames"))) for a, (size, i) in replay(at)[0].items()} if at >= 0 else {}
     sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for size, where in peak_live.values():
         sites[where][0] += size

@@ -38,6 +38,8 @@ bias is averaged over the chunks, as over micro-batches).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -95,8 +97,7 @@ class SequenceChunker:
         bounds = self._bounds(S)
         n_tokens = (labels != -100).sum().clamp(min=1)
         tape = routing if routing is not None else RoutingTape()
-        with routing_tape(tape):
-            carries, selections, caches = self._forward_sweep(model, input_ids, bounds, tape=tape)
+        carries, selections, caches = self._forward_sweep(model, input_ids, bounds, tape=tape)
         tape.replay = True
         cfg, P = model.cfg, model.cfg.index_pool
         kl_layers = [i for i, b in enumerate(model.layers) if b.kind == "D" and b.mixer.indexer is not None]
@@ -184,28 +185,29 @@ class SequenceChunker:
     @torch.no_grad()
     def _forward_sweep(self, model, input_ids, bounds, labels=None, losses=None, tape=None):
         """Run every chunk through every layer once; record the carries each chunk starts from.
-        With `losses` (a list): append each chunk's token losses and record nothing else. With `tape`
-        (active around the call): set its position to each chunk's start."""
+        With `losses` (a list): append each chunk's token losses and record nothing else. With `tape`:
+        MoE routing records into (or replays from) it, positioned at each chunk's start."""
         record = losses is None
         B = input_ids.shape[0]
         caches = model.init_caches(B, device=input_ids.device, dtype=self._act_dtype(model, input_ids))
         carries = [[None] * len(bounds) for _ in model.layers]
         selections = [[None] * len(bounds) for _ in model.layers]
         host = self.selection_to_host and input_ids.is_cuda
-        for ci, (s0, s1) in enumerate(bounds):
-            if tape is not None:
-                tape.offset = s0
-            state = model.embed_state(input_ids[:, s0:s1])
-            sel = None
-            for i, block in enumerate(model.layers):
-                if block.kind == "K" and record:
-                    carries[i][ci] = (caches[i].recurrent.clone(), caches[i].conv.clone())
-                state, sel = block(state, sel, cache=caches[i])
-                if block.kind == "D" and block.mixer.indexer is not None and record:
-                    selections[i][ci] = self._keep(sel, host, (i, ci))
-            if not record:
-                losses.append(model.chunked_token_losses(model.norm(model.stream.final(state)), labels[:, s0:s1]))
-            self._report(f"forward sweep: chunk {ci + 1}/{len(bounds)} done", input_ids)
+        with routing_tape(tape) if tape is not None else contextlib.nullcontext():
+            for ci, (s0, s1) in enumerate(bounds):
+                if tape is not None:
+                    tape.offset = s0
+                state = model.embed_state(input_ids[:, s0:s1])
+                sel = None
+                for i, block in enumerate(model.layers):
+                    if block.kind == "K" and record:
+                        carries[i][ci] = (caches[i].recurrent.clone(), caches[i].conv.clone())
+                    state, sel = block(state, sel, cache=caches[i])
+                    if block.kind == "D" and block.mixer.indexer is not None and record:
+                        selections[i][ci] = self._keep(sel, host, (i, ci))
+                if not record:
+                    losses.append(model.chunked_token_losses(model.norm(model.stream.final(state)), labels[:, s0:s1]))
+                self._report(f"forward sweep: chunk {ci + 1}/{len(bounds)} done", input_ids)
         return carries, selections, caches
 
     def _report(self, what: str, x: torch.Tensor) -> None:
