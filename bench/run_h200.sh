@@ -41,7 +41,7 @@ tests)
   # through the tool's 12k-character window loses the failures), with each test's duration
   for f in ${GPU_TESTS:-fused_loss indexer kda mhc sequence_chunks sparse_attention test_logic}; do
     echo "=== tests/test_gpu_$f.py" >> "$OUT/gpu_tests.log"
-    timeout $(left 200) python -m pytest -q -rfE --tb=short -s --durations=0 -o faulthandler_timeout=90 "tests/test_gpu_$f.py" >> "$OUT/gpu_tests.log" 2>&1
+    timeout $(left 200) python -m pytest -q -rfE --tb=short -s --durations=0 -o faulthandler_timeout=240 "tests/test_gpu_$f.py" >> "$OUT/gpu_tests.log" 2>&1
     echo "=== tests/test_gpu_$f.py: exit $?" | tee -a "$OUT/gpu_tests.log"
   done
   grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -15
@@ -70,7 +70,7 @@ step1m)
   ;;
 offload)
   # offload's cost at 256k: pinned, pinned with kept buffers, pageable, no offload
-  timeout $(left 240) python bench/memory.py --out "$OUT" --parts offload --seqlens 262144 --offload-seqlen 262144 \
+  timeout $(left ${OFFLOAD_S:-240}) python bench/memory.py --out "$OUT" --parts offload --seqlens 262144 --offload-seqlen 262144 \
       --offload-modes ${OFFLOAD_MODES:-pinned,pinned_kept,pageable,no_offload} \
       > "$OUT/memory_offload.log" 2>&1; tail -8 "$OUT/memory_offload.log"
   ;;

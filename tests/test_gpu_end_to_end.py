@@ -101,6 +101,26 @@ def decode_vs_training(model, ids, N, chunk, device, replay_routing=True, bf16=T
     return diff, rel, full.std().item(), impl
 
 
+def training_vs_fp32(model, ids, N, device):
+    """(mean abs log-prob difference, hidden rel-RMS) of the last N tokens: the bf16 training forward
+    (fast kernels) against the same forward in fp32 on the torch paths, MoE routing replayed. This is
+    bf16's own error on this model and sequence, the floor under any decode-vs-training comparison."""
+    S = ids.shape[1]
+    with recorded_routing(model) as replay:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            h = model.hidden(ids)[:, S - N - 1 : S - 1]
+            lp = torch.log_softmax(model.lm_head(h).float(), -1).gather(-1, ids[:, S - N :, None])
+        replay()
+        model.set_backend("torch")
+        try:
+            h32 = model.hidden(ids)[:, S - N - 1 : S - 1]
+        finally:
+            model.set_backend("auto")
+        lp32 = torch.log_softmax(model.lm_head(h32).float(), -1).gather(-1, ids[:, S - N :, None])
+    rel = ((h.float() - h32).pow(2).mean() / h32.pow(2).mean()).sqrt().item()
+    return (lp - lp32).abs().mean().item(), rel
+
+
 @torch.no_grad()
 def test_training_forward_matches_decode_path_at_128k():
     from longctx.config import preset
@@ -116,5 +136,8 @@ def test_training_forward_matches_decode_path_at_128k():
     free = decode_vs_training(model, ids, N, chunk, "cuda", replay_routing=False)
     print(f"at {S} tokens over the last {N}, routing replayed: mean abs log-prob difference {diff:.4f} "
           f"(log-prob std {spread:.2f}), hidden rel-RMS {rel:.2e}; free routing: {free[0]:.4f}, {free[1]:.2e}; {impl}")
+    floor = training_vs_fp32(model, ids, N, "cuda")
+    print(f"bf16 training forward vs fp32 (torch paths, routing replayed): log-prob {floor[0]:.4f}, "
+          f"hidden rel-RMS {floor[1]:.2e}")
     assert spread > 1.0  # the check has teeth: log-probs are far from uniform
     assert diff <= 0.02 and rel <= 2e-2

@@ -8,12 +8,15 @@ indices I_t (top-k + tail, -1 for unused slots):
 A query whose slots are all -1 (padding) gets a zero output and lse = -inf.
 This is the reference the Triton kernel is tested against, and the CPU path. It gathers the
 selected latents for a block of queries at a time, so its memory is O(chunk * k * D), never
-O(S^2).
+O(S^2); under autograd each block is checkpointed (its gathered latents are rebuilt in backward), so
+what it saves for backward is its inputs, not S * k * D gathered values (an fp32 reference step at 12k
+tokens would otherwise keep 52 GB per layer).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 
 def sparse_attention_torch(
@@ -22,8 +25,13 @@ def sparse_attention_torch(
     """q [B, S, H, D], kv [B, S_kv, D], idx [B, S, K] (int, -1 = unused) -> o [B, S, H, D] (and lse [B, S, H])."""
     B, S, H, D = q.shape
     outs, lses = [], []
+    grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
     for s0 in range(0, S, chunk):
-        o, lse = _block(q[:, s0 : s0 + chunk], kv, idx[:, s0 : s0 + chunk], scale)
+        args = (q[:, s0 : s0 + chunk], kv, idx[:, s0 : s0 + chunk], scale)
+        if grad:
+            o, lse = torch.utils.checkpoint.checkpoint(_block, *args, use_reentrant=False)
+        else:
+            o, lse = _block(*args)
         outs.append(o)
         lses.append(lse)
     o, lse = torch.cat(outs, 1), torch.cat(lses, 1)
