@@ -5,7 +5,7 @@
 #   bash bench/run_h200.sh memory    # 8k warm-up, the 1M step, a profiled 128k step, the 8k..128k ablation
 #   bash bench/run_h200.sh step1m    # 8k warm-up, the 1M step, a profiled 128k step, baseline max, host memory
 #   NO_PACK=1 bash bench/run_h200.sh extras  # offload cost + pinned vs pageable, liger mHC, 128k/256k switches
-#   bash bench/run_h200.sh tests offload     # parts run in order in one call: tests, e2e, kda, offload, liger, peak, switches
+#   bash bench/run_h200.sh tests offload     # parts run in order in one call: tests, e2e, kda, offload, liger, peak, host, switches
 # The files each call brings back go to bench/results/memory_runs/ (numbered in call order), then
 #   python bench/memory.py --report bench/results/memory_runs/*.json --out bench/results
 # Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh); results go to $OUT.
@@ -86,12 +86,17 @@ peak)
   timeout $(left) python bench/memory.py --out "$OUT/peak" --resume --parts none --no-warmup --peak 262144 \
       >> "$OUT/memory_peak.log" 2>&1; tail -4 "$OUT/memory_peak.log"
   ;;
+host)
+  # host memory over 20 offloaded steps at 64k (the offloader's kept pinned buffers must not grow)
+  timeout $(left 240) python bench/memory.py --out "$OUT" --parts host --host-seqlen 65536 > "$OUT/memory_host.log" 2>&1
+  tail -3 "$OUT/memory_host.log"
+  ;;
 switches)
-  # the 128k and 256k switches not measured yet
-  timeout $(left) python bench/memory.py --out "$OUT" --resume --parts runs --seqlens 131072,262144 \
+  # the 128k and 256k switches not measured yet (SWITCH_SEQLENS to choose)
+  timeout $(left) python bench/memory.py --out "$OUT" --resume --parts runs --seqlens ${SWITCH_SEQLENS:-131072,262144} \
       --configs all_on,chunked_indexer_off,reuse_selection_off,router_release_off,mhc_cast_recompute_off,moe_bf16_combine_off,loss_chunk_off \
       > "$OUT/memory_extras.log" 2>&1; tail -16 "$OUT/memory_extras.log"
   ;;
-*) echo "usage: bench/run_h200.sh PART... with PART in tests e2e kda kernels memory step1m offload liger peak switches extras"; exit 2 ;;
+*) echo "usage: bench/run_h200.sh PART... with PART in tests e2e kda kernels memory step1m offload liger peak host switches extras"; exit 2 ;;
 esac
 done

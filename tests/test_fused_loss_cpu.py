@@ -146,7 +146,9 @@ def test_mhc_pick_impl_rules(monkeypatch):
     mhc = MHC(preset("tiny"))
     fake_cuda = types.SimpleNamespace(is_cuda=True, device="cuda:0")
     monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
-    assert residual.AUTO_USES_LIGER is False and mhc.pick_impl(fake_cuda) == "torch"  # auto: torch until the GPU test holds
+    assert residual.AUTO_USES_LIGER is True  # auto takes liger on CUDA since tests/test_gpu_mhc.py held on the H200
+    monkeypatch.setattr(residual, "AUTO_USES_LIGER", False)
+    assert mhc.pick_impl(fake_cuda) == "torch"
     monkeypatch.setattr(residual, "AUTO_USES_LIGER", True)
     monkeypatch.setattr(mhc_liger, "liger_mhc_available", lambda: False)
     with pytest.warns(RuntimeWarning, match="liger-kernel is not importable"):

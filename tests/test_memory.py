@@ -225,15 +225,15 @@ def test_offload_forced_on_cpu(residual):
 def _offloading(model, release: bool):
     """Recompute with 3 blocks offloaded into plain host buffers (force: CPU tensors are copied too)."""
     apply_plan(model, RECOMPUTE)
-    policy = RecomputePolicy(offload_layers=3, force_offload=True, pin_memory=False, release_pinned=release)
+    policy = RecomputePolicy(offload_layers=3, force_offload=True, pin_memory=False, keep_pinned=not release)
     policy.offloader.min_bytes = 0
     model.block_fn = policy
     return policy, policy.offloader
 
 
 @pytest.mark.parametrize("release", [True, False])
-def test_offload_keeps_its_buffers_across_steps_without_release_pinned(release):
-    """release_pinned off: the second step packs into the very buffers of the first (no new
+def test_offload_keeps_its_buffers_across_steps_with_keep_pinned(release):
+    """keep_pinned: the second step packs into the very buffers of the first (no new
     page-locking, host memory flat), and its gradients are still the plain step's; on (the default),
     nothing is kept between steps."""
     cfg = _cfg()
@@ -261,7 +261,7 @@ def test_offload_keeps_its_buffers_across_steps_without_release_pinned(release):
 
 
 def test_kept_buffers_never_exceed_one_steps_worth():
-    """release_pinned off with step sizes that change (another sequence length): buffers the step did
+    """keep_pinned with step sizes that change (another sequence length): buffers the step did
     not take are handed back at its end, so the pool is at most the last step's offload, not a union."""
     cfg = _cfg()
     model = _model(cfg)

@@ -119,11 +119,11 @@ class RecomputePolicy:
     `offload_layers` blocks (their inputs are needed last in backward, so the copies hide best)."""
 
     def __init__(self, recompute: bool = True, offload_layers: int = 0, reuse_selection: bool = True,
-                 pin_memory: bool = True, force_offload: bool = False, release_pinned: bool = True):
+                 pin_memory: bool = True, force_offload: bool = False, keep_pinned: bool = True):
         self.recompute = recompute
         self.offload_layers = offload_layers
         self.reuse_selection = reuse_selection
-        self.offloader = (Offloader(pin_memory=pin_memory, force=force_offload, release_pinned=release_pinned)
+        self.offloader = (Offloader(pin_memory=pin_memory, force=force_offload, keep_pinned=keep_pinned)
                           if offload_layers else None)
 
     def __call__(self, block, state, selection, cu_seqlens):
