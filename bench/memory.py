@@ -55,6 +55,7 @@ import datetime
 import gc
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -620,9 +621,20 @@ def figure(res: dict, path: Path, estimates: dict | None = None):
 SECTIONS = ("baseline_max_context", "host_memory_with_offload", "offload_pinned_vs_pageable")
 
 
+def _call_number(name: str) -> str | None:
+    """The call a results file came from: its leading number (memory_runs/8_offload_256k.json -> "8")."""
+    m = re.match(r"(\d+)_", name)
+    return m.group(1) if m else None
+
+
+def _call_order(p: Path):
+    n = _call_number(p.name)
+    return (int(n) if n else -1, p.name)  # 10_* after 9_*, not after 1_*
+
+
 def merge(paths) -> dict:
     """One result from several memory.json files (the rule: see the module docstring)."""
-    paths = sorted((Path(p) for p in paths), key=lambda p: p.name)
+    paths = sorted((Path(p) for p in paths), key=_call_order)
     header, invocations, runs, sections = {}, [], {}, {}
     for p in paths:
         d = json.loads(p.read_text())
@@ -676,7 +688,7 @@ STATUS_TEXT = {"same_as_all_on": "= all_on", "skipped_after_oom": "skipped (oom 
 def report_text(res: dict, estimates: dict, cfg) -> str:
     """OUT/memory_table.md: the runs table, what was left out, the notes, baseline and host memory."""
     files = res["merged_from"]
-    call = {f: str(i + 1) for i, f in enumerate(files)}
+    call = {f: _call_number(f) or str(i + 1) for i, f in enumerate(files)}
     order = {n: i for i, n in enumerate(CONFIGS)}
     shown = sorted((r for r in res["runs"] if "superseded" not in r),
                    key=lambda r: (r["seq_len"], order.get(r["config"], len(order)), r["config"]))
@@ -744,7 +756,8 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
         else:
             owned_text = ", ".join("n/a" if o is None else f"{o:.2f}" for o in owned) or "n/a"
         what = (f"- {h.get('steps')} steps at {_f(h.get('seq_len'), ',')} tokens, offload={plan.get('offload')} "
-                f"blocks, pin_memory={plan.get('pin_memory')}: {h.get('status')}; offloaded "
+                f"blocks, pin_memory={plan.get('pin_memory')}, keep_pinned={plan.get('keep_pinned', not plan.get('release_pinned', True))}: "
+                f"{h.get('status')}; offloaded "
                 f"{_f(h.get('offloaded_gib_per_step'))} GiB per step")
         rss_text = (f"- host RSS: first {_f(rss[0] if rss else None)} GiB, last {_f(rss[-1] if rss else None)} GiB "
                     f"(growth {_f(h.get('rss_growth_gib'), '+.3f')} GiB)")

@@ -560,3 +560,11 @@ def test_bench_memory_cpu_smoke(tmp_path):
     assert bench.main([*argv, "--resume", "--parts", "runs"]) == 0
     after = json.loads((tmp_path / "memory.json").read_text())
     assert after["runs"] == before["runs"] and after["baseline_max_context"] == bl
+
+
+def test_release_pinned_names_its_successor():
+    """The old switch (pinned blocks handed back every step) is keep_pinned's inverse now: a config that
+    still sets it hears the new name and the value that means the same."""
+    with pytest.raises(ConfigError, match=r"memory.release_pinned is now memory.keep_pinned .*keep_pinned = false"):
+        MemoryPlan.from_dict({"release_pinned": True})
+    assert MemoryPlan().keep_pinned and not MemoryPlan.baseline().keep_pinned

@@ -71,6 +71,9 @@ class MemoryPlan:
             base = cls.baseline()
         known = {f.name for f in dataclasses.fields(cls)}
         for k in d:
+            if k == "release_pinned":  # the switch before keep_pinned (its inverse)
+                raise ConfigError(f"memory.release_pinned is now memory.keep_pinned (its inverse, on by default); "
+                                  f"set memory.keep_pinned = {str(not d[k]).lower()}.")
             if k not in known:
                 raise ConfigError(f"unknown setting memory.{k}{did_you_mean(k, known) or '; the switches are ' + ', '.join(sorted(known))}")
         for k in ("offload", "seq_chunk"):
