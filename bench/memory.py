@@ -139,6 +139,13 @@ class Device:
         self.static = 0  # bytes alive before each step (smoke): parameters, optimizer state
         self._live = None
 
+    def counters(self) -> tuple[int, int]:
+        """(allocated, max allocated) bytes of the current step so far (smoke: LiveBytes + static)."""
+        if self.smoke:
+            live = self._live
+            return (self.static + live.current, self.static + live.peak) if live is not None else (self.static, self.static)
+        return torch.cuda.memory_allocated(self.dev), torch.cuda.max_memory_allocated(self.dev)
+
     @contextlib.contextmanager
     def step(self):
         if self.smoke:
@@ -415,29 +422,44 @@ class Bench:
         self._cleanup(policy)
 
     def peak(self, S: int, name: str):
-        """One warm step of config `name` at S under the allocator's event history: what was alive at
-        its peak, by the line of longctx that allocated it (OUT/peak_<S>_<name>.txt, and the JSON)."""
+        """One warm step of config `name` at S with the peak timeline (longctx/memory/peak.py): between
+        which two marks (module forward, recompute, backward start/end) the peak was reached, and what
+        was allocated there (OUT/peak_<S>_<name>.txt, and the JSON). With --peak-trace, the allocator's
+        event history as well: what was alive at the peak, by the line of longctx that allocated it."""
         base = self.all_on(S)
         plan = (dataclasses.replace(base, recompute="on", offload=str(self.cfg.num_layers)) if name == "offload_all"
                 else CONFIGS[name](base))
         self.measure(plan, S, 1)  # warm: compiled, optimizer state, kept buffers exist
-        with peak_mod.record(self.dev.dev) as rec:
+        with peak_mod.timeline(self.model, read=self.dev.counters) as marks:
             r = self.measure(plan, S, 1)
+        marks.append(("after the step (loss, optimizer)", *self.dev.counters()))  # a peak past the last block
         if r["status"] != "ok":
             self.log(f"peak at {S} ({name}): {r['status']}")
             return
-        got = peak_mod.alive_at_peak(rec["events"], rec["before"])
-        est_gib = self.estimate(plan, S)["estimate_gib"]
+        est = self.estimate(plan, S)
         head = (f"{self.res['command']}\n{name} at {S}: measured peak {r['peak_allocated_gib']:.2f} GiB, "
-                f"estimate {est_gib:.2f} GiB\n")
+                f"estimate {est['estimate_gib']:.2f} GiB\n")
+        where = peak_mod.locate_peak(marks)
+        text = head + peak_mod.format_timeline(marks) + "\n"
+        entry = {"peak_allocated_gib": r["peak_allocated_gib"], "estimate_gib": est["estimate_gib"], "plan": plan.to_dict(),
+                 "peak_between": [where["after"], where["by"]],
+                 "allocated_between_gib": [None if where["allocated_after"] is None else where["allocated_after"] / GIB,
+                                           where["allocated_by"] / GIB if where["allocated_by"] is not None else None],
+                 "marks": [(lbl, a / GIB, m / GIB) for lbl, a, m in marks]}
+        if self.args.peak_trace and not self.dev.smoke:
+            with peak_mod.record(self.dev.dev) as rec:
+                r = self.measure(plan, S, 1)
+            if r["status"] == "ok":
+                got = peak_mod.alive_at_peak(rec["events"], rec["before"])
+                text += "\n" + peak_mod.format_peak(got) + "\n"
+                entry.update(replayed_peak_gib=got["peak_bytes"] / GIB, before_gib=got["untracked_bytes"] / GIB,
+                             by_site_gib=[(w, b / GIB, n) for w, b, n in got["by_site"]])
         path = self.out / f"peak_{S}_{name}.txt"
-        path.write_text(head + peak_mod.format_peak(got) + "\n")
-        self.res.setdefault("alive_at_peak", {})[f"{name}@{S}"] = {
-            "peak_allocated_gib": r["peak_allocated_gib"], "estimate_gib": est_gib, "plan": plan.to_dict(),
-            "replayed_peak_gib": got["peak_bytes"] / GIB, "before_gib": got["untracked_bytes"] / GIB,
-            "by_site_gib": [(w, b / GIB, n) for w, b, n in got["by_site"]]}
+        path.write_text(text)
+        self.res.setdefault("peaks", {})[f"{S}:{name}"] = entry
         self.save()
-        self.log(f"peak at {S} ({name}): {r['peak_allocated_gib']:.2f} GiB, wrote {path}")
+        self.log(f"peak at {S} ({name}): {r['peak_allocated_gib']:.2f} GiB between '{where['after']}' and "
+                 f"'{where['by']}', wrote {path}")
 
     def runs(self, lens, configs):
         done = {(r["config"], r["seq_len"]) for r in self.res["runs"]}
@@ -837,6 +859,9 @@ def main(argv=None) -> int:
     ap.add_argument("--peak", metavar="S[:CONFIG]",
                     help="CUDA: after the runs, what is alive at the peak of one warm step at S tokens under CONFIG "
                          "(all_on, a switch-off config, or offload_all; default all_on)")
+    ap.add_argument("--peak-trace", action="store_true",
+                    help="with --peak: also one step under torch's allocation history (what is alive at the peak by "
+                         "allocating line; it failed inside the recompute backward on the H200 with torch 2.11)")
     ap.add_argument("--profile", type=int, metavar="S", help="after the runs, profile one warm all-on step at S tokens")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first step (the first run then includes compilation)")
     ap.add_argument("--report", nargs="+", metavar="FILE", help="merge these memory.json files into OUT "
@@ -894,7 +919,7 @@ def main(argv=None) -> int:
             b.runs(lens, configs)
         if a.profile and not a.cpu_smoke:
             b.profile(a.profile)
-        if peak_at is not None and not a.cpu_smoke:
+        if peak_at is not None:
             b.peak(*peak_at)
         if "baseline" in parts:
             b.baseline_max(256 if a.cpu_smoke else 4 * K, 4 * K if a.cpu_smoke else 2048 * K)

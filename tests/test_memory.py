@@ -560,6 +560,13 @@ def test_bench_memory_cpu_smoke(tmp_path):
     assert bench.main([*argv, "--resume", "--parts", "runs"]) == 0
     after = json.loads((tmp_path / "memory.json").read_text())
     assert after["runs"] == before["runs"] and after["baseline_max_context"] == bl
+    # the peak timeline of one offloaded step: where its maximum was reached, counted by LiveBytes here
+    assert bench.main([*argv, "--resume", "--parts", "none", "--no-warmup", "--peak", "1024:offload_all"]) == 0
+    pk = json.loads((tmp_path / "memory.json").read_text())["peaks"]["1024:offload_all"]
+    labels = [m[0] for m in pk["marks"]]
+    assert "fwd start layers.0" in labels and "recompute start layers.0.mixer" in labels and "bwd end layers.0" in labels
+    assert pk["peak_between"][1] in labels and abs(max(m[2] for m in pk["marks"]) - pk["peak_allocated_gib"]) < 1e-3
+    assert "reached after" in (tmp_path / "peak_1024_offload_all.txt").read_text()
 
 
 def test_release_pinned_names_its_successor():

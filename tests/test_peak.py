@@ -33,3 +33,58 @@ def test_top_sites_and_the_rest():
     r = alive_at_peak(ev, top=2)
     assert [b for _, b, _ in r["by_site"]] == [50, 40] and r["other_bytes"] == 60
     assert "(other sites)" in format_peak(r)
+
+
+def test_locate_peak_names_the_marks_around_it():
+    from longctx.memory.peak import format_timeline, locate_peak
+
+    marks = [("fwd start a", 10, 10), ("fwd end a", 30, 40), ("bwd start a", 20, 40), ("bwd end a", 25, 90),
+             ("bwd end b", 5, 90)]
+    r = locate_peak(marks)
+    assert (r["peak_bytes"], r["index"], r["after"], r["by"]) == (90, 3, "bwd start a", "bwd end a")
+    assert (r["allocated_after"], r["allocated_by"]) == (20, 25)
+    assert "reached after 'bwd start a' and by 'bwd end a'" in format_timeline(marks)
+    assert locate_peak([])["index"] is None
+
+
+def _tiny_step(recompute: bool, timeline_on: bool):
+    import contextlib
+
+    import torch
+
+    from longctx.config import preset
+    from longctx.memory.peak import timeline
+    from longctx.memory.plan import MemoryPlan, apply_plan
+    from longctx.model import LongCtxModel
+
+    torch.manual_seed(0)
+    model = LongCtxModel(preset("tiny"))
+    apply_plan(model, MemoryPlan(recompute="on" if recompute else "off", offload="off", seq_chunk="off"))
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 65))
+    count = [0]
+
+    def read():  # a fake allocator: every read is one more byte, the maximum follows
+        count[0] += 1
+        return count[0], count[0]
+
+    ctx = timeline(model, read=read) if timeline_on else contextlib.nullcontext([])
+    with ctx as marks:
+        model(ids[:, :-1], labels=ids[:, 1:]).loss.backward()
+    return marks, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_timeline_marks_forward_recompute_and_backward_without_changing_gradients():
+    import torch
+
+    for recompute in (False, True):
+        marks, grads = _tiny_step(recompute, True)
+        _, plain = _tiny_step(recompute, False)
+        assert grads.keys() == plain.keys() and all(torch.equal(grads[n], plain[n]) for n in grads)
+        labels = [m[0] for m in marks]
+        last = f"layers.{len(set(lbl.split()[-1].split('.')[1] for lbl in labels)) - 1}"
+        for want in ("fwd start layers.0", "fwd end layers.0.mixer", "bwd start layers.0.mlp", "bwd end layers.0.mixer",
+                     f"bwd start {last}"):
+            assert want in labels, (recompute, want)
+        assert ("recompute start layers.0.mixer" in labels) == recompute
+        # backward runs last block first: its gradient arrives before the first block's
+        assert labels.index(f"bwd start {last}") < labels.index("bwd start layers.0")

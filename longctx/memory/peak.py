@@ -1,11 +1,20 @@
-"""What is alive at the peak of a CUDA step, by the line of our code that allocated it.
+"""Where in a step the memory peak happens, and what is alive then.
 
 Why: the estimate says what *should* be alive at the peak; when a measurement disagrees (the
-offloaded 256k step peaked 14% over its estimate), the allocator's own event trace says what *was*.
-`record()` turns on torch's allocation history for a step; `alive_at_peak(events, before)` replays
-the alloc/free events, finds the moment of the highest total and groups the blocks alive then by the
-innermost frame in longctx (or the innermost frame at all). The replay is plain Python over the
-trace, so it is tested on the CPU with a made-up trace.
+offloaded 256k step peaked 14% over its estimate), the step itself has to say where its peak was.
+Two tools:
+
+- `timeline(model)`: hooks on every block and its parts mark each module's forward, recomputed
+  forward and backward (start and end) with the allocated bytes and the running maximum;
+  `locate_peak(marks)` names the two marks between which the maximum was reached and what was
+  allocated there. It needs nothing from the allocator but two counters, so it cannot break the step
+  (the allocator trace below failed inside the recompute backward on the H200).
+- `record()` turns on torch's allocation history for a step; `alive_at_peak(events, before)` replays
+  the alloc/free events, finds the moment of the highest total and groups the blocks alive then by
+  the innermost frame in longctx (or the innermost frame at all).
+
+Both are plain Python over what they collect, so they are tested on the CPU (a fake counter, a made-up
+trace).
 """
 
 from __future__ import annotations
@@ -89,3 +98,105 @@ def record(device=None, max_entries: int = 2_000_000):
         idx = torch.device(device or "cuda").index or 0
         traces = snap.get("device_traces") or [[]]
         out["events"] = traces[idx] if idx < len(traces) else []
+
+
+def _phase() -> str:
+    """fwd (graph or not), recompute (a forward inside backward) or bwd."""
+    in_backward = torch._C._current_graph_task_id() != -1
+    if not in_backward:
+        return "fwd"
+    return "recompute" if torch.is_grad_enabled() else "bwd"
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+@contextlib.contextmanager
+def timeline(model, read=None, depth: int = 2):
+    """Marks of one step: yields a list that fills with (label, allocated bytes, running max bytes).
+    Hooks on `model.layers.N` (depth 1) and their children (depth 2): forward start and end (phase
+    fwd, or recompute when a block's forward runs again inside backward) and, for outputs that take a
+    gradient, bwd start (the output's gradient arrived) and, for inputs, bwd end (the input's gradient
+    is computed). `read()` -> (allocated, max allocated); default torch.cuda's counters."""
+    if read is None:
+        read = lambda: (torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated())  # noqa: E731
+    marks: list[tuple[str, int, int]] = []
+
+    def mark(label):
+        a, m = read()
+        marks.append((label, a, m))
+
+    def on_grad(label):
+        def hook(g):
+            mark(label)
+        return hook
+
+    def pre(name):
+        def hook(mod, args, kwargs):
+            mark(f"{_phase()} start {name}")
+            if torch.is_grad_enabled():
+                for t in _tensors((args, kwargs)):
+                    if t.requires_grad:
+                        t.register_hook(on_grad(f"bwd end {name}"))
+                        break
+        return hook
+
+    def post(name):
+        def hook(mod, args, kwargs, out):
+            mark(f"{_phase()} end {name}")
+            if torch.is_grad_enabled():
+                for t in _tensors(out):
+                    if t.requires_grad:
+                        t.register_hook(on_grad(f"bwd start {name}"))
+                        break
+        return hook
+
+    handles = []
+    for name, mod in model.named_modules():
+        parts = name.split(".")
+        if parts[0] != "layers" or not 2 <= len(parts) <= depth + 1:
+            continue
+        handles.append(mod.register_forward_pre_hook(pre(name), with_kwargs=True))
+        handles.append(mod.register_forward_hook(post(name), with_kwargs=True))
+    try:
+        yield marks
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def locate_peak(marks: list[tuple[str, int, int]]) -> dict:
+    """The first mark whose running maximum is the final one: the peak happened after the mark
+    before it and by this one. Returns {'peak_bytes', 'index', 'after', 'by', 'allocated_after',
+    'allocated_by'} (after/by: labels; None before the first mark)."""
+    if not marks:
+        return {"peak_bytes": 0, "index": None, "after": None, "by": None, "allocated_after": None, "allocated_by": None}
+    top = marks[-1][2]
+    i = next(k for k, (_, _, m) in enumerate(marks) if m >= top)
+    prev = marks[i - 1] if i else None
+    return {"peak_bytes": top, "index": i, "after": prev[0] if prev else None, "by": marks[i][0],
+            "allocated_after": prev[1] if prev else None, "allocated_by": marks[i][1]}
+
+
+def format_timeline(marks: list[tuple[str, int, int]], around: int = 12) -> str:
+    """The peak's place, then the marks around it (GiB allocated, GiB running max)."""
+    gib = 2**30
+    r = locate_peak(marks)
+    if r["index"] is None:
+        return "no marks"
+    lines = [f"peak {r['peak_bytes'] / gib:.2f} GiB reached after '{r['after']}' and by '{r['by']}' "
+             f"(allocated {0 if r['allocated_after'] is None else r['allocated_after'] / gib:.2f} -> "
+             f"{r['allocated_by'] / gib:.2f} GiB)", "", f"{'alloc GiB':>9} {'max GiB':>8}  mark"]
+    lo, hi = max(0, r["index"] - around), min(len(marks), r["index"] + around + 1)
+    for k in range(lo, hi):
+        label, a, m = marks[k]
+        lines.append(f"{a / gib:9.2f} {m / gib:8.2f}  {label}{'   <- peak by here' if k == r['index'] else ''}")
+    return "\n".join(lines)
