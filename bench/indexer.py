@@ -1,6 +1,6 @@
 """Benchmark: k-pool indexer selection (score + top-k pools), fused Triton kernel vs plain torch, one GPU.
 
-    python bench/indexer.py --out DIR [--quick] [--seqlens 8192,...] [--heads 16x64] [--budget-s 120] [--sweep]
+    python bench/indexer.py --out DIR [--quick] [--seqlens 8192,...] [--heads 16x64] [--budget-s 120] [--sweep] [--probe]
     python bench/indexer.py --cpu-smoke --out DIR    # tiny sizes, the kernel under TRITON_INTERPRET=1
 
 Problem (the h200-ref indexer): q [1,S,16,64] bf16 (pre-scaled), w [1,S,16] fp32, pooled keys
@@ -147,6 +147,42 @@ def kernel_case(S, H, D, K, dev, warmup, reps, cfg=None):
     return res, out, (q, w, pk)
 
 
+def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
+    """The parts of a two-phase design (score a block of queries into an fp32 [chunk, pools] buffer in
+    HBM, then torch.topk its rows; O(S * chunk) memory) timed on their own, to decide whether it can beat
+    the fused kernel before writing it. Per chunk of queries, the causal width (pools any of its queries
+    sees): `score_mm` the bf16 scoring matmul [chunk*H, D] x [D, width] alone (cuBLAS, no ReLU or head
+    sum: a lower bound for the score pass), `topk` torch.topk(k_pools) of a random fp32 [chunk, width]
+    buffer, `hbm_ms` the bytes of writing and reading that buffer once at 4.0 TB/s (computed)."""
+    g = torch.Generator(device=dev.name).manual_seed(1)
+    widths = [min(S, s0 + chunk) // P for s0 in range(0, S, chunk)]
+    wmax = max(widths)
+    qm = torch.randn(chunk * H, D, device=dev.name, generator=g).to(torch.bfloat16)
+    kt = torch.randn(D, wmax, device=dev.name, generator=g).to(torch.bfloat16)
+    buf = torch.randn(chunk, wmax, device=dev.name, generator=g)
+    ks = [min(K, n) for n in widths]
+
+    def score_all():
+        for n in widths:
+            if n:
+                torch.mm(qm, kt[:, :n])
+
+    def topk_all():
+        for n, k in zip(widths, ks):
+            if n and k:
+                torch.topk(buf[:, :n], k, dim=-1, sorted=False)
+
+    out = {"chunk": chunk, "S": S, "heads": H, "head_dim": D, "k_pools": K}
+    for name, fn in (("score_mm", score_all), ("topk", topk_all)):
+        _, first_s, _ = dev.first_call(fn)
+        out[f"{name}_ms"], _ = dev.time_ms(fn, first_s, warmup, reps)
+    out["hbm_ms"] = 2 * 4 * sum(widths) * chunk / 4.0e12 * 1e3
+    fl = floor_ms(S, H, D)
+    out["floor_ms"] = fl
+    out["sum_x_floor"] = (out["score_mm_ms"] + out["topk_ms"] + out["hbm_ms"]) / fl
+    return out
+
+
 def torch_case(S, H, D, K, chunk, dev, warmup, reps):
     q, w, pk = inputs(S, H, D, dev)
     res, out = run_impl(lambda: kpool_topk_torch(q, w, pk, P, K, chunk=chunk), S, H, D, dev, warmup, reps)
@@ -181,6 +217,8 @@ def main():
     ap.add_argument("--unchunked-max", type=int, default=131072, help="largest S to try the unchunked twin at")
     ap.add_argument("--budget-s", type=float, default=120.0, help="skip cases projected to end after this")
     ap.add_argument("--sweep", action="store_true", help="kernel configs at S=32k and 128k (16x64)")
+    ap.add_argument("--probe", action="store_true",
+                    help="time the parts of a two-phase indexer (scoring matmul, torch.topk) at each S, 16x64")
     args = ap.parse_args()
 
     dev = Dev(args.cpu_smoke)
@@ -270,6 +308,13 @@ def main():
                 r.update(S=S, override=cfg)
                 print(json.dumps(r), flush=True)
                 results["sweep"].append(r)
+    if args.probe:
+        results["two_phase_probe"] = []
+        for S in seqlens:
+            r = two_phase_probe(S, *heads[0], K, dev, chunk=32 if dev.cpu else 1024)
+            dev.free()  # its buffers went with the call
+            print(json.dumps(r), flush=True)
+            results["two_phase_probe"].append(r)
     results["total_s"] = time.perf_counter() - t_start
     write_results(args.out, "indexer_cpu_smoke.json" if dev.cpu else "indexer.json", results)
 

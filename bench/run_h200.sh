@@ -5,7 +5,7 @@
 #   bash bench/run_h200.sh memory    # 8k warm-up, the 1M step, a profiled 128k step, the 8k..128k ablation
 #   bash bench/run_h200.sh step1m    # 8k warm-up, the 1M step, a profiled 128k step, baseline max, host memory
 #   NO_PACK=1 bash bench/run_h200.sh extras  # offload cost + pinned vs pageable, liger mHC, 128k/256k switches
-#   bash bench/run_h200.sh tests offload     # parts run in order in one call: tests, e2e, kda, offload, liger, peak, host, switches
+#   bash bench/run_h200.sh tests offload     # parts run in order in one call: tests, e2e, kda, indexer, offload, liger, peak, host, switches
 # The files each call brings back go to bench/results/memory_runs/ (numbered in call order), then
 #   python bench/memory.py --report bench/results/memory_runs/*.json --out bench/results
 # Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh); results go to $OUT.
@@ -50,6 +50,10 @@ e2e)
   # the 128k training-forward vs decode-path check (about 250 s)
   timeout $(left) python -m pytest -q -rfE --tb=short -s tests/test_gpu_end_to_end.py > "$OUT/gpu_e2e.log" 2>&1
   tail -5 "$OUT/gpu_e2e.log"
+  ;;
+indexer)
+  # the fused indexer at 32k and 128k, its config sweep (passes vs per-pass cost), the two-phase probe
+  timeout $(left) python bench/indexer.py --out "$OUT" --quick --sweep --probe > "$OUT/indexer.log" 2>&1; tail -4 "$OUT/indexer.log"
   ;;
 kda)
   timeout $(left) python bench/kda.py --out "$OUT" > "$OUT/kda.log" 2>&1; tail -5 "$OUT/kda.log"
@@ -97,6 +101,6 @@ switches)
       --configs all_on,chunked_indexer_off,reuse_selection_off,router_release_off,mhc_cast_recompute_off,moe_bf16_combine_off,loss_chunk_off \
       > "$OUT/memory_extras.log" 2>&1; tail -16 "$OUT/memory_extras.log"
   ;;
-*) echo "usage: bench/run_h200.sh PART... with PART in tests e2e kda kernels memory step1m offload liger peak host switches extras"; exit 2 ;;
+*) echo "usage: bench/run_h200.sh PART... with PART in tests e2e kda indexer kernels memory step1m offload liger peak host switches extras"; exit 2 ;;
 esac
 done

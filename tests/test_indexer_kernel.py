@@ -429,3 +429,19 @@ def test_twin_reproduces_kpool_indexer_selection():
 
 if __name__ == "__main__":
     _run_cases()
+
+
+def test_indexer_benchmark_cpu_smoke(tmp_path):
+    """bench/indexer.py --cpu-smoke --probe (the kernel interpreted, the two-phase probe): every code path
+    the H200 run takes, at tiny sizes; a fresh process, since the interpreter must be on before triton loads."""
+    pytest.importorskip("triton")
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "indexer.py"), "--cpu-smoke", "--probe", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "indexer_cpu_smoke.json").read_text())
+    assert [c["S"] for c in res["cases"]] == [48, 101] and all("ms" in c["kernel"] for c in res["cases"])
+    probe = res["two_phase_probe"]
+    assert [p["S"] for p in probe] == [48, 101] and all(p["topk_ms"] > 0 and p["score_mm_ms"] > 0 for p in probe)
