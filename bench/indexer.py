@@ -5,6 +5,8 @@
 
 Problem (the h200-ref indexer): q [1,S,16,64] bf16 (pre-scaled), w [1,S,16] fp32, pooled keys
 [1,S/4,64] bf16, pool 4, top-512 pools (top-2048 tokens). Per S it times the fused kernel, the
+two-phase path (`ops/indexer/two_phase.py`: a score kernel into an fp32 [1024, pools] buffer, then
+torch selection; its rows that differ from the kernel's are counted), the
 chunked torch twin (256 queries per pass, up to --torch-max) and the unchunked twin (an fp32
 [S,H,NP] workspace) until it runs out of memory (recorded as {"oom": true}), records each one's
 peak memory above the inputs, and checks the kernel's picks against the chunked twin (rows that
@@ -38,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from timing import provenance, timed, write_results  # bench/ is on sys.path when run as a script
 
-from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch
+from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch, kpool_topk_two_phase
 from longctx.ops.indexer import triton_kernel as tk
 
 P = 4
@@ -183,6 +185,14 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
     return out
 
 
+def two_phase_case(S, H, D, K, dev, warmup, reps, chunk=1024):
+    """The two-phase indexer (score kernel into an fp32 [chunk, pools] buffer, torch selection)."""
+    q, w, pk = inputs(S, H, D, dev)
+    res, out = run_impl(lambda: kpool_topk_two_phase(q, w, pk, P, K, chunk=chunk), S, H, D, dev, warmup, reps)
+    res["chunk"] = chunk
+    return res, out
+
+
 def torch_case(S, H, D, K, chunk, dev, warmup, reps):
     q, w, pk = inputs(S, H, D, dev)
     res, out = run_impl(lambda: kpool_topk_torch(q, w, pk, P, K, chunk=chunk), S, H, D, dev, warmup, reps)
@@ -262,7 +272,7 @@ def main():
         results.setdefault("compile_s", {})[f"{H}x{D}"] = time.perf_counter() - t0
         del qw
         unchunked_alive = True
-        last = {"kernel": (None, 0), "torch_chunk256": (None, 0), "torch_unchunked": (None, 0)}
+        last = {"kernel": (None, 0), "two_phase": (None, 0), "torch_chunk256": (None, 0), "torch_unchunked": (None, 0)}
         for S in seqlens:
             case = {"S": S, "H": H, "D": D, "pairs": pairs(S), "floor_ms": floor_ms(S, H, D)}
             skip = over_budget(*last["kernel"], S, 1 + reps)
@@ -272,6 +282,14 @@ def main():
             else:
                 case["kernel"], kout, kin = kernel_case(S, H, D, K, dev, warmup, reps)
                 last["kernel"] = (case["kernel"], S)
+            if skip := over_budget(*last["two_phase"], S, 1 + reps):
+                case["two_phase"] = skip
+            else:
+                case["two_phase"], two = two_phase_case(S, H, D, K, dev, warmup, reps, chunk=32 if dev.cpu else 1024)
+                last["two_phase"] = (case["two_phase"], S)
+                if kout is not None and two is not None:
+                    case["two_phase"]["rows_differ_from_kernel"] = int((two != kout).any(-1).sum())
+                del two
             if S > args.torch_max:
                 case["torch_chunk256"] = f"skipped: S > --torch-max {args.torch_max}"
             elif skip := over_budget(*last["torch_chunk256"], S, 1 + reps):

@@ -151,6 +151,7 @@ def _run_cases() -> None:
     """Subprocess body: TRITON_INTERPRET=1 is already in the environment."""
     _run_layer_cases()
     from longctx.ops.indexer.triton_kernel import LAST_LAUNCH, kpool_topk_triton
+    from longctx.ops.indexer.two_phase import kpool_scores_triton, kpool_topk_two_phase
 
     for i, (name, B, S, H, D, P, NP, K, off, lo, dt, cfg) in enumerate(CASES):
         q, w, pk = int_problem(B, S, H, D, NP, lo, seed=100 + i, dtype=getattr(torch, dt))
@@ -160,7 +161,10 @@ def _run_cases() -> None:
         q = torch.cat([q, torch.zeros_like(q[..., :3])], -1)[..., :D]  # a strided view
         twin = kpool_topk_torch(q, w, pk, P, K, chunk=7, q_offset=off)
         out = kpool_topk_triton(q, w, pk, P, K, q_offset=off, cfg=cfg)
+        tiles = {k: v for k, v in cfg.items() if k in ("BLOCK_M", "BLOCK_N")}
+        two = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2))
         res = {"name": name, "equal": bool(torch.equal(out, twin)), "dtype": str(out.dtype),
+               "two_phase_equal": bool(torch.equal(two, twin)), "two_phase_dtype": str(two.dtype),
                "n_bad_rows": int((out != twin).any(-1).sum()), "passes_max": int(LAST_LAUNCH["passes"].max()),
                "deferred": int(LAST_LAUNCH["deferred"].sum())}
         print("RESULT " + json.dumps(res), flush=True)
@@ -184,6 +188,22 @@ def _run_cases() -> None:
     print("RESULT " + json.dumps({"name": "float_random", "equal": bool(torch.equal(out, twin)),
                                   "n_bad_rows": int((out != twin).any(-1).sum()), "worst_gap": worst}), flush=True)
 
+    # the two-phase path's scores against the twin's (fp32 in both; -inf exactly where not selectable),
+    # with a query offset and a column count past the pools, then its picks on the same float inputs
+    off, n_cols = 5, S // P + 3
+    got = kpool_scores_triton(q, w, pk, P, n_cols, q_offset=off, cfg={"BLOCK_N": 16, "TILES": 3})
+    ref = torch.full_like(got, float("-inf"))
+    sel = (torch.arange(n_cols) * P + P - 1)[None, :] <= (off + torch.arange(S))[:, None]
+    sel &= torch.arange(n_cols)[None, :] < S // P
+    ref[:, :, : S // P] = kpool_scores_torch(q, w, pk)
+    ref = torch.where(sel, ref, float("-inf"))
+    fin = torch.isfinite(ref)
+    rel = ((got[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item()
+    two = kpool_topk_two_phase(q, w, pk, P, K, chunk=11, cfg={"BLOCK_N": 16, "TILES": 2})
+    print("RESULT " + json.dumps({"name": "two_phase_scores", "same_mask": bool(torch.equal(torch.isfinite(got), fin)),
+                                  "max_rel": rel, "picks_equal_fused": bool(torch.equal(two, out)),
+                                  "n_bad_rows": int((two != out).any(-1).sum())}), flush=True)
+
 
 @pytest.fixture(scope="module")
 def interp_results():
@@ -200,6 +220,22 @@ def test_kernel_matches_twin_exactly(interp_results, case):
     assert r["equal"], r
     assert r["dtype"] == "torch.int32", r
     assert r["passes_max"] <= 33, r
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_two_phase_matches_twin_exactly(interp_results, case):
+    """kpool_topk_two_phase (the score kernel + torch selection) == the twin, ties included."""
+    pytest.importorskip("triton")
+    r = interp_results[case]
+    assert r["two_phase_equal"] and r["two_phase_dtype"] == "torch.int32", r
+
+
+def test_two_phase_scores_and_float_picks(interp_results):
+    """Its scores are the twin's to fp32 rounding with -inf exactly on the unselectable pools; on
+    float inputs its picks are the fused kernel's (one tile-score code path)."""
+    r = interp_results["two_phase_scores"]
+    assert r["same_mask"] and r["max_rel"] < 1e-5, r
+    assert r["picks_equal_fused"], r
 
 
 def test_kernel_paths_exercised(interp_results):
@@ -443,5 +479,6 @@ def test_indexer_benchmark_cpu_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "indexer_cpu_smoke.json").read_text())
     assert [c["S"] for c in res["cases"]] == [48, 101] and all("ms" in c["kernel"] for c in res["cases"])
+    assert all(c["two_phase"]["rows_differ_from_kernel"] == 0 for c in res["cases"])
     probe = res["two_phase_probe"]
     assert [p["S"] for p in probe] == [48, 101] and all(p["topk_ms"] > 0 and p["score_mm_ms"] > 0 for p in probe)

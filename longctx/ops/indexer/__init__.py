@@ -1,4 +1,5 @@
-"""K-pool indexer selection: the plain-torch twin (`naive.py`) and, on CUDA, our fused Triton kernel.
+"""K-pool indexer selection: the plain-torch twin (`naive.py`) and, on CUDA, our fused Triton kernel
+(`two_phase.py`: a score-to-buffer kernel + torch selection, benchmarked against it, not wired in yet).
 
 `select_pools` is the integration point for `KPoolIndexer`: it replaces the score + mask + topk of
 one block of queries and returns pool ids; token expansion and the tail stay in the layer.
@@ -27,8 +28,9 @@ from .naive import kpool_scores_torch, kpool_topk_torch, select_from_scores
 
 try:  # triton is optional on the CPU
     from .triton_kernel import kpool_topk_triton
+    from .two_phase import kpool_scores_triton, kpool_topk_two_phase
 except ImportError:  # pragma: no cover - exercised only without triton installed
-    kpool_topk_triton = None
+    kpool_topk_triton = kpool_scores_triton = kpool_topk_two_phase = None
 
 BACKENDS = ("torch", "triton")
 
@@ -56,5 +58,5 @@ def select_pools(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, 
     raise ValueError(f"select_pools: backend={backend!r} unknown; use one of {BACKENDS}")
 
 
-__all__ = ["BACKENDS", "kpool_scores_torch", "kpool_topk_torch", "kpool_topk_triton", "select_from_scores",
-           "select_pools"]
+__all__ = ["BACKENDS", "kpool_scores_torch", "kpool_scores_triton", "kpool_topk_torch", "kpool_topk_triton",
+           "kpool_topk_two_phase", "select_from_scores", "select_pools"]

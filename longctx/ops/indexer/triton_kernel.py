@@ -62,10 +62,10 @@ def _clz32(x):
 
 
 @triton.jit
-def _tile_keys(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
-               BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-               DOT_F32: tl.constexpr):
-    """Scores of BLOCK_M queries x BLOCK_N pools as order-preserving int32 keys, plus selectability."""
+def _tile_scores(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
+                 BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """fp32 scores of BLOCK_M queries x BLOCK_N pools (-0.0 folded into +0.0), selectability, pool ids."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < NP
     kt = tl.load(pk_base + offs_n[None, :] * stride_pn + offs_d[:, None],
@@ -76,9 +76,19 @@ def _tile_keys(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
     s = tl.reshape(tl.maximum(s, 0.0), [BLOCK_M, BLOCK_H, BLOCK_N])
     sc = tl.sum(s * w3, axis=1)
     sc = tl.where(sc == 0.0, 0.0, sc)  # -0.0 -> +0.0: equal floats must get equal keys
+    valid = n_ok[None, :] & (offs_n[None, :] * P + (P - 1) <= pos[:, None])
+    return sc, valid, offs_n
+
+
+@triton.jit
+def _tile_keys(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
+               BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+               DOT_F32: tl.constexpr):
+    """Scores of BLOCK_M queries x BLOCK_N pools as order-preserving int32 keys, plus selectability."""
+    sc, valid, offs_n = _tile_scores(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
+                                     BLOCK_M, BLOCK_H, BLOCK_N, PREC, DOT_F32)
     bits = sc.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip magnitude bits -> signed int order
-    valid = n_ok[None, :] & (offs_n[None, :] * P + (P - 1) <= pos[:, None])
     return key, valid, offs_n
 
 
