@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from longctx import errors
-from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch, select_pools
+from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch, select_from_scores, select_pools
 
 
 def ref_select(q, w, pk, P, K, q_offset=0) -> torch.Tensor:
@@ -163,8 +163,10 @@ def _run_cases() -> None:
         out = kpool_topk_triton(q, w, pk, P, K, q_offset=off, cfg=cfg)
         tiles = {k: v for k, v in cfg.items() if k in ("BLOCK_M", "BLOCK_N")}
         two = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2))
+        two_t = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2), select="torch")
         res = {"name": name, "equal": bool(torch.equal(out, twin)), "dtype": str(out.dtype),
-               "two_phase_equal": bool(torch.equal(two, twin)), "two_phase_dtype": str(two.dtype),
+               "two_phase_equal": bool(torch.equal(two, twin) and torch.equal(two_t, twin)),
+               "two_phase_dtype": str(two.dtype),
                "n_bad_rows": int((out != twin).any(-1).sum()), "passes_max": int(LAST_LAUNCH["passes"].max()),
                "deferred": int(LAST_LAUNCH["deferred"].sum())}
         print("RESULT " + json.dumps(res), flush=True)
@@ -187,6 +189,18 @@ def _run_cases() -> None:
             worst = max(worst, float((score[b, t, p] - kth).abs()))
     print("RESULT " + json.dumps({"name": "float_random", "equal": bool(torch.equal(out, twin)),
                                   "n_bad_rows": int((out != twin).any(-1).sum()), "worst_gap": worst}), flush=True)
+
+    # the emit kernel on its own: integer scores (many ties), unselectable entries anywhere (rows with
+    # none, few or all selectable), k from 1 to more than the row
+    from longctx.ops.indexer.two_phase import select_from_scores_triton
+
+    g = torch.Generator().manual_seed(11)
+    sc = torch.randint(-3, 4, (2, 37, 150), generator=g).float()
+    valid = torch.rand(2, 37, 150, generator=g) < torch.linspace(0, 1, 37)[None, :, None]
+    sc = torch.where(valid, sc, float("-inf"))
+    sel_ok = all(torch.equal(select_from_scores_triton(sc, k, block_n=32), select_from_scores(sc, valid, k))
+                 for k in (1, 7, 64, 200))
+    print("RESULT " + json.dumps({"name": "emit_kernel", "equal": bool(sel_ok)}), flush=True)
 
     # the two-phase path's scores against the twin's (fp32 in both; -inf exactly where not selectable),
     # with a query offset and a column count past the pools, then its picks on the same float inputs
@@ -224,10 +238,17 @@ def test_kernel_matches_twin_exactly(interp_results, case):
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
 def test_two_phase_matches_twin_exactly(interp_results, case):
-    """kpool_topk_two_phase (the score kernel + torch selection) == the twin, ties included."""
+    """kpool_topk_two_phase (the score kernel, then the emit kernel or torch's selection) == the twin,
+    ties included."""
     pytest.importorskip("triton")
     r = interp_results[case]
     assert r["two_phase_equal"] and r["two_phase_dtype"] == "torch.int32", r
+
+
+def test_emit_kernel_matches_select_from_scores(interp_results):
+    """select_from_scores_triton == the twin's select_from_scores on tied scores with -inf anywhere."""
+    pytest.importorskip("triton")
+    assert interp_results["emit_kernel"]["equal"], interp_results["emit_kernel"]
 
 
 def test_two_phase_scores_and_float_picks(interp_results):

@@ -1,13 +1,15 @@
-"""Two-phase k-pool indexer: a Triton kernel scores a block of queries into an fp32 buffer, then
-`select_from_scores` (torch.topk for the k-th score, the twin's tie rule) picks the pools.
+"""Two-phase k-pool indexer: a Triton kernel scores a block of queries into an fp32 buffer, then the
+pools are picked from it: torch.topk for each row's k-th score and an emit kernel (above it, then
+ties in pool order), or the twin's `select_from_scores` (select="torch").
 
 Why a second design beside the fused kernel (`triton_kernel.py`): the fused kernel never stores a
 score, but it recomputes every tile 1 + passes times (~5 sweeps) and each sweep runs at ~10% of the
 MMA rate (bench/NOTES.md, "indexer"): 52x the single-sweep floor at 128k. Here the tiles are scored
-once (MMA, ReLU, weighted head sum, no histogram) and written to HBM, O(chunk x pools) memory, and
-the selection is torch's. Whether that is faster depends on torch.topk over the causal rows, which
-`bench/indexer.py --probe` measures; until then the layers keep the fused kernel and this path is
-reached only through `kpool_topk_two_phase` (the benchmark and the tests).
+once (MMA, ReLU, weighted head sum, no histogram) and written to HBM, O(chunk x pools) memory; the
+emit kernel reads the buffer twice after torch.topk's own passes. Whether that beats the fused kernel
+depends on torch.topk over the causal rows, which `bench/indexer.py --probe` measures; until then the
+layers keep the fused kernel and this path is reached only through `kpool_topk_two_phase` (the
+benchmark and the tests).
 
 Same function as `naive.kpool_topk_torch` (ascending int32 pool ids, -1 padded, ties to the lower pool
 id); the scores are the fused kernel's tile scores (`_tile_scores`, one code path), so on inputs whose
@@ -77,6 +79,71 @@ def _kpool_score_kernel(
                      mask=ok)
 
 
+@triton.jit
+def _emit_from_scores_kernel(
+    SC, KTH, OUT,
+    stride_sb, stride_ss, stride_kb, stride_ob, stride_os,
+    S, NC, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """OUT[b, t, :K] = the pools of row t above its k-th score KTH[b, t], then the first ones equal to it
+    in pool order (ties to the lower id), ascending, -1 padded; -inf scores are never taken. Two reads
+    of the row: count those above, then emit (the fused kernel's emit step over stored scores)."""
+    b = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = t < S
+    kth = tl.load(KTH + b * stride_kb + t, mask=m_ok, other=float("inf"))
+    rows = SC + b * stride_sb + t.to(tl.int64) * stride_ss
+    above = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for n0 in range(0, NC, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        sc = tl.load(rows[:, None] + offs_n[None, :], mask=m_ok[:, None] & (offs_n[None, :] < NC), other=float("-inf"))
+        above += tl.sum(((sc > kth[:, None]) & (sc != float("-inf"))).to(tl.int32), axis=1)
+    need = K - above
+    cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
+    seen = tl.zeros([BLOCK_M], dtype=tl.int32)
+    out_rows = OUT + b * stride_ob + t.to(tl.int64) * stride_os
+    for n0 in range(0, NC, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        sc = tl.load(rows[:, None] + offs_n[None, :], mask=m_ok[:, None] & (offs_n[None, :] < NC), other=float("-inf"))
+        valid = sc != float("-inf")
+        gt = valid & (sc > kth[:, None])
+        eq = valid & (sc == kth[:, None])
+        eq_rank = seen[:, None] + tl.cumsum(eq.to(tl.int32), axis=1)
+        take = gt | (eq & (eq_rank <= need[:, None]))
+        slot = cnt[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+        ids = tl.broadcast_to(offs_n[None, :], [BLOCK_M, BLOCK_N])
+        tl.store(out_rows[:, None] + slot, ids, mask=take & m_ok[:, None] & (slot < K))
+        cnt += tl.sum(take.to(tl.int32), axis=1)
+        seen += tl.sum(eq.to(tl.int32), axis=1)
+    cnt = tl.minimum(cnt, K)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_rows[:, None] + offs_k[None, :], tl.full([BLOCK_M, BLOCK_K], -1, tl.int32),
+                 mask=m_ok[:, None] & (offs_k[None, :] >= cnt[:, None]) & (offs_k[None, :] < K))
+
+
+def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, block_n: int = 256) -> torch.Tensor:
+    """fp32 [B, c, n] scores (-inf = not selectable) -> int32 [B, c, k]: `naive.select_from_scores`'
+    function (top k, ties to the lower pool id, ascending, -1 padded), with torch.topk for each row's
+    k-th score and one Triton kernel for the rest (instead of ~8 torch passes over the scores)."""
+    B, c, n = score.shape
+    out = torch.empty(B, c, k, dtype=torch.int32, device=score.device)
+    if k == 0:
+        return out
+    if n == 0 or c == 0:
+        return out.fill_(-1)
+    score = _last_contig(score)
+    kth = score.topk(min(k, n), dim=-1, sorted=False).values.amin(-1).contiguous()  # -inf: fewer than k selectable
+    if _interpreting():
+        _fix_interpreter_loop_bounds()
+    _emit_from_scores_kernel[(triton.cdiv(c, block_m), B)](
+        score, kth, out, score.stride(0), score.stride(1), kth.stride(0), out.stride(0), out.stride(1),
+        c, n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=4,
+    )
+    return out
+
+
 def kpool_scores_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, n_cols: int,
                         q_offset: int = 0, cfg: dict | None = None) -> torch.Tensor:
     """fp32 [B, S, n_cols]: sum_h w relu(q . pk) of every query and pool n < n_cols, -inf where the pool
@@ -107,13 +174,17 @@ def kpool_scores_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool
 
 
 def kpool_topk_two_phase(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, k_pools: int,
-                         chunk: int = 1024, q_offset: int = 0, cfg: dict | None = None) -> torch.Tensor:
+                         chunk: int = 1024, q_offset: int = 0, cfg: dict | None = None,
+                         select: str = "triton") -> torch.Tensor:
     """int32 [B, S, k_pools], the same function as `naive.kpool_topk_torch`: `chunk` queries are scored
-    into an fp32 [B, chunk, pools they can see] buffer by the Triton kernel, then selected in torch.
-    Extra memory: that buffer and select_from_scores' temporaries (O(chunk x pools))."""
+    into an fp32 [B, chunk, pools they can see] buffer by the Triton kernel, then selected: `select`
+    "triton" (torch.topk for the k-th score + the emit kernel) or "torch" (`naive.select_from_scores`).
+    Extra memory: that buffer and the selection's temporaries (O(chunk x pools))."""
     _check(q, w, pk, pool, k_pools, q_offset)
     if chunk < 1:
         raise ValueError(f"kpool_topk_two_phase: chunk={chunk}; use a positive number of queries")
+    if select not in ("triton", "torch"):
+        raise ValueError(f"kpool_topk_two_phase: select={select!r}; use 'triton' or 'torch'")
     B, S = q.shape[:2]
     NP = pk.shape[1]
     out = torch.full((B, S, k_pools), -1, dtype=torch.int32, device=q.device)
@@ -125,5 +196,8 @@ def kpool_topk_two_phase(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, poo
         if n == 0:
             continue
         score = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg)
-        out[:, s0:s1] = select_from_scores(score, score != float("-inf"), k_pools)
+        if select == "triton":
+            out[:, s0:s1] = select_from_scores_triton(score, k_pools)
+        else:
+            out[:, s0:s1] = select_from_scores(score, score != float("-inf"), k_pools)
     return out
