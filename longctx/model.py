@@ -212,23 +212,27 @@ class LongCtxModel(nn.Module):
             if isinstance(m, SparseMLA) and m.indexer is not None:
                 m.indexer.backend = "triton" if backend == "fla" else backend
 
-    def set_impls(self, loss: str | None = None, residual: str | None = None):
+    def set_impls(self, loss: str | None = None, residual: str | None = None, indexer_kernel: str | None = None):
         """auto | torch | liger for the LM head + loss (`loss_impl`, longctx.ops.fused_loss) and for every
-        mHC residual (`MHC.impl`, longctx.ops.mhc_liger); None leaves a switch as it is. Whether liger
-        can run is checked at the first forward (a ConfigError there)."""
+        mHC residual (`MHC.impl`, longctx.ops.mhc_liger); fused | two_phase for the indexers' Triton path
+        (`KPoolIndexer.kernel`; two_phase is being benchmarked, bench/NOTES.md). None leaves a switch as it
+        is. Whether liger can run is checked at the first forward (a ConfigError there)."""
         from .errors import ConfigError
+        from .layers.kpool_indexer import INDEXER_KERNELS, KPoolIndexer
         from .layers.residual import MHC, RESIDUAL_IMPLS
         from .ops.fused_loss import LOSS_IMPLS
 
-        for name, v, allowed in (("loss_impl", loss, LOSS_IMPLS), ("residual_impl", residual, RESIDUAL_IMPLS)):
+        for name, v, allowed in (("loss_impl", loss, LOSS_IMPLS), ("residual_impl", residual, RESIDUAL_IMPLS),
+                                 ("indexer_kernel", indexer_kernel, INDEXER_KERNELS)):
             if v is not None and v not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)} (got {v!r}).")
         if loss is not None:
             self.loss_impl = loss
-        if residual is not None:
-            for m in self.modules():
-                if isinstance(m, MHC):
-                    m.impl = residual
+        for m in self.modules():
+            if residual is not None and isinstance(m, MHC):
+                m.impl = residual
+            if indexer_kernel is not None and isinstance(m, KPoolIndexer):
+                m.kernel = indexer_kernel
 
     # ------------------------------------------------------------------ decoding
     def init_caches(self, batch: int, device=None, dtype=None) -> list:

@@ -216,6 +216,23 @@ def test_layer_triton_backend_matches_torch(B, S):
 
 
 @torch.no_grad()
+def test_layer_two_phase_kernel_matches_torch():
+    """KPoolIndexer.kernel = two_phase at h200-ref's width: the torch backend's picks up to near-ties."""
+    ind, cfg = h200_indexer()
+    B, S = 1, 8192
+    g = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(B, S, cfg.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+    ql = torch.randn(B, S, cfg.q_lora_rank, device="cuda", generator=g).to(torch.bfloat16)
+    ind.backend, ind.kernel = "triton", "two_phase"
+    got = ind.select(x, ql)
+    assert ind.last_impl == "indexer:triton-two-phase"
+    ind.backend, ind.kernel = "torch", "fused"
+    ref = ind.select(x, ql)
+    n_rows, gap = layer_near_tie_gap(ind, x, ql, got, ref)
+    assert n_rows <= max(2, B * S // 1000) and gap < 1e-5, (n_rows, gap)
+
+
+@torch.no_grad()
 def test_layer_triton_backend_decoding():
     """With an IndexerCache: a 6001-token prefill, then 1-, 7- and 1-token steps (query offsets
     p0 > 0), each backend with its own cache; then the triton picks equal the whole-sequence call's

@@ -124,6 +124,18 @@ def _run_layer_cases() -> None:
     print("RESULT " + json.dumps({"name": "layer_full", "impl": impl, "gap": kth_gap(ind, x, ql),
                                   "equal": bool(torch.equal(got, ref_chunked) and torch.equal(got, ref_unchunked)),
                                   "n_bad_rows": int((got != ref_chunked).any(-1).sum())}), flush=True)
+    ind.backend, ind.kernel = "triton", "two_phase"
+    two = ind.select(x, ql)
+    print("RESULT " + json.dumps({"name": "layer_two_phase", "impl": ind.last_impl,
+                                  "equal": bool(torch.equal(two, ref_chunked))}), flush=True)
+    ind.kernel = "radix"
+    try:
+        ind.select(x, ql)
+        bad_kernel = "accepted"
+    except Exception as e:  # noqa: BLE001 - the type is asserted on the pytest side
+        bad_kernel = f"{type(e).__name__}: {e}"
+    print("RESULT " + json.dumps({"name": "layer_bad_kernel", "error": bad_kernel}), flush=True)
+    ind.kernel = "fused"
 
     # decoding: a ragged prefill, then steps of 1..13 tokens crossing pool boundaries (query offset
     # p0 not a multiple of the pool or of the tiles), each backend with its own cache
@@ -278,6 +290,15 @@ def test_layer_triton_backend_matches_torch(interp_results):
     assert r["gap"] > 1e-4, r  # the random setup has no (near-)tie at any k-th score
     assert r["impl"] == "indexer:triton-fused", r
     assert r["equal"], r
+
+
+def test_layer_two_phase_kernel_matches_torch(interp_results):
+    """KPoolIndexer.kernel = two_phase: the same picks as the torch backend, visible in last_impl; an
+    unknown kernel name is a ConfigError naming the choices."""
+    r = interp_results["layer_two_phase"]
+    assert r["impl"] == "indexer:triton-two-phase" and r["equal"], r
+    err = interp_results["layer_bad_kernel"]["error"]
+    assert err.startswith("ConfigError") and "fused, two_phase" in err, err
 
 
 def test_layer_triton_backend_matches_torch_decoding(interp_results):

@@ -17,6 +17,9 @@ O(S x S/P) scores), which auto then runs in torch on CUDA too (`last_impl` says
 "indexer:torch-unchunked"). A CUDA run that cannot import the
 kernel says so once (RuntimeWarning) and runs torch; "triton" on CPU tensors without
 TRITON_INTERPRET=1 is a ConfigError, never a silent fallback. `last_impl` names what ran.
+`kernel` picks the Triton path: "fused" (the default) or "two_phase" (`ops/indexer/two_phase.py`, a
+score kernel into an O(T x pools) fp32 buffer per 1024 queries + topk + an emit kernel; the same
+picks, being benchmarked against the fused kernel: bench/NOTES.md).
 
 Both backends select the same pools, except where scores tie at a query's k-th score:
 - torch: ties are resolved by torch.topk itself, fed the same fp32 row the reference builds: one
@@ -48,6 +51,7 @@ from ..ops import indexer as indexer_ops
 
 _DEFAULT = object()
 BACKENDS = ("auto", "torch", "triton")
+INDEXER_KERNELS = ("fused", "two_phase")  # the Triton path: radix select in one kernel, or score buffer + topk
 _EXPAND_ROWS = 8192  # queries per block when the kernel's pool ids are expanded into token indices
 
 
@@ -119,6 +123,7 @@ class KPoolIndexer(nn.Module):
         # triton backend scores the whole sequence in one launch.
         self.chunk: int | None = 256
         self.backend = "auto"
+        self.kernel = "fused"  # the Triton path: "fused" (score + radix select) or "two_phase" (ops/indexer/two_phase.py)
         self.last_impl: str | None = None
 
     # ------------------------------------------------------------------ building blocks
@@ -176,7 +181,7 @@ class KPoolIndexer(nn.Module):
         n_pools = 0 if pk is None else pk.shape[1]
         out = torch.full((B, T, self.width), -1, dtype=torch.int32, device=x.device)
         if impl == "triton":
-            self.last_impl = "indexer:triton-fused"
+            self.last_impl = "indexer:triton-fused" if self.kernel == "fused" else "indexer:triton-two-phase"
             pools = self._kernel_pools(x, q_latent, pk, n_pools, start)  # one launch for all T queries
             for s0 in range(0, T, _EXPAND_ROWS):
                 s1 = min(T, s0 + _EXPAND_ROWS)
@@ -195,6 +200,8 @@ class KPoolIndexer(nn.Module):
         if self.backend not in BACKENDS:
             raise ConfigError(f"indexer backend must be one of {', '.join(BACKENDS)} (got {self.backend!r}); "
                               "set backend to 'auto', 'torch' or 'triton'.")
+        if self.kernel not in INDEXER_KERNELS:
+            raise ConfigError(f"indexer kernel must be one of {', '.join(INDEXER_KERNELS)} (got {self.kernel!r}).")
         if self.backend == "torch":
             return "torch"
         kernel = indexer_ops.kpool_topk_triton
@@ -225,6 +232,8 @@ class KPoolIndexer(nn.Module):
         B, T = x.shape[:2]
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        if self.kernel == "two_phase":
+            return indexer_ops.kpool_topk_two_phase(q, w, pk.to(q.dtype), self.pool, k_sel, q_offset=p0)
         return indexer_ops.select_pools(q, w, pk.to(q.dtype), self.pool, k_sel, backend="triton", chunk=None,
                                         q_offset=p0)
 
