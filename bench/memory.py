@@ -67,6 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from longctx.config import preset
+from longctx.errors import ConfigError
 from longctx.layers.moe import MoE
 from longctx.memory import allocator
 from longctx.memory import estimate as est
@@ -244,7 +245,8 @@ class Bench:
             self.model = LongCtxModel(self.cfg)
         self.model.set_backend("auto")
         self.model.set_impls(residual=getattr(args, "residual_impl", None) or "auto",
-                             indexer_kernel=getattr(args, "indexer_kernel", None) or "fused")
+                             indexer_kernel=getattr(args, "indexer_kernel", None) or "fused",
+                             kda_conv=getattr(args, "kda_conv", None) or "torch")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.0,
                                      fused=self.dev.dev.type == "cuda")
         self.out = Path(args.out)
@@ -276,6 +278,7 @@ class Bench:
                 "autocast": str(self.dtype).replace("torch.", ""), "peak_tflops": PEAK_FLOPS / 1e12,
                 "residual_impl": getattr(self.args, "residual_impl", None) or "auto",
                 "indexer_kernel": getattr(self.args, "indexer_kernel", None) or "fused",
+                "kda_conv": getattr(self.args, "kda_conv", None) or "torch",
                 "cuda_alloc": self.cuda_alloc, "model": self.cfg.to_dict()}
 
     def save(self):
@@ -856,6 +859,8 @@ def main(argv=None) -> int:
     ap.add_argument("--offload-seqlen", type=int, help="sequence length of pinned vs pageable (default 256k; quick 32k)")
     ap.add_argument("--resume", action="store_true", help="keep OUT/memory.json's results and add the missing ones")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--kda-conv", choices=["torch", "fla"],
+                    help="the KDA short conv for every run (default torch; fla: its Triton causal_conv1d, opt-in)")
     ap.add_argument("--indexer-kernel", choices=["fused", "two_phase"],
                     help="the indexers' Triton path for every run (default fused; two_phase: bench/NOTES.md)")
     ap.add_argument("--residual-impl", choices=["auto", "torch", "liger"],
@@ -940,4 +945,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ConfigError as e:  # a setting the run cannot take: one sentence, exit 2 (what was measured is saved)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -5,7 +5,7 @@
 #   bash bench/run_h200.sh memory    # 8k warm-up, the 1M step, a profiled 128k step, the 8k..128k ablation
 #   bash bench/run_h200.sh step1m    # 8k warm-up, the 1M step, a profiled 128k step, baseline max, host memory
 #   NO_PACK=1 bash bench/run_h200.sh extras  # offload cost + pinned vs pageable, liger mHC, 128k/256k switches
-#   bash bench/run_h200.sh tests offload     # parts run in order in one call: tests, e2e, kda, indexer, indexer_step, offload, liger, peak, host, switches
+#   bash bench/run_h200.sh tests offload     # parts run in order in one call: tests, e2e, kda, indexer, variants, offload, liger, peak, host, switches
 # The files each call brings back go to bench/results/memory_runs/ (numbered in call order), then
 #   python bench/memory.py --report bench/results/memory_runs/*.json --out bench/results
 # Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh); results go to $OUT.
@@ -55,10 +55,14 @@ indexer)
   # the fused indexer at 32k and 128k, its config sweep (passes vs per-pass cost), the two-phase probe
   timeout $(left) python bench/indexer.py --out "$OUT" --quick --sweep --probe > "$OUT/indexer.log" 2>&1; tail -4 "$OUT/indexer.log"
   ;;
-indexer_step)
-  # a profiled 128k step with the two-phase indexer (against the fused kernel's 5.94 s, memory_runs/10_*)
-  timeout $(left) python bench/memory.py --out "$OUT/two_phase" --indexer-kernel two_phase --parts runs --configs all_on \
-      --seqlens 131072 --profile 131072 > "$OUT/memory_two_phase.log" 2>&1; tail -4 "$OUT/memory_two_phase.log"
+variants)
+  # 128k steps with the opt-in kernels (against all_on's 5.94 s, memory_runs/10_*): the two-phase indexer,
+  # fla's causal conv in KDA, both
+  for v in "--indexer-kernel two_phase" "--kda-conv fla" "--indexer-kernel two_phase --kda-conv fla"; do
+    d=$(echo $v | tr -d ' -' | tr '_' '-')
+    timeout $(left) python bench/memory.py --out "$OUT/$d" $v --parts runs --configs all_on --seqlens 131072 \
+        > "$OUT/memory_$d.log" 2>&1; tail -2 "$OUT/memory_$d.log"
+  done
   ;;
 kda)
   timeout $(left) python bench/kda.py --out "$OUT" > "$OUT/kda.log" 2>&1; tail -5 "$OUT/kda.log"
@@ -106,6 +110,6 @@ switches)
       --configs all_on,chunked_indexer_off,reuse_selection_off,router_release_off,mhc_cast_recompute_off,moe_bf16_combine_off,loss_chunk_off \
       > "$OUT/memory_extras.log" 2>&1; tail -16 "$OUT/memory_extras.log"
   ;;
-*) echo "usage: bench/run_h200.sh PART... with PART in tests e2e kda indexer indexer_step kernels memory step1m offload liger peak host switches extras"; exit 2 ;;
+*) echo "usage: bench/run_h200.sh PART... with PART in tests e2e kda indexer variants kernels memory step1m offload liger peak host switches extras"; exit 2 ;;
 esac
 done

@@ -212,18 +212,21 @@ class LongCtxModel(nn.Module):
             if isinstance(m, SparseMLA) and m.indexer is not None:
                 m.indexer.backend = "triton" if backend == "fla" else backend
 
-    def set_impls(self, loss: str | None = None, residual: str | None = None, indexer_kernel: str | None = None):
+    def set_impls(self, loss: str | None = None, residual: str | None = None, indexer_kernel: str | None = None,
+                  kda_conv: str | None = None):
         """auto | torch | liger for the LM head + loss (`loss_impl`, longctx.ops.fused_loss) and for every
         mHC residual (`MHC.impl`, longctx.ops.mhc_liger); fused | two_phase for the indexers' Triton path
-        (`KPoolIndexer.kernel`; two_phase is being benchmarked, bench/NOTES.md). None leaves a switch as it
-        is. Whether liger can run is checked at the first forward (a ConfigError there)."""
+        (`KPoolIndexer.kernel`; two_phase is being benchmarked, bench/NOTES.md); torch | fla for the KDA
+        short conv (`KimiDeltaAttention.conv_impl`, opt-in until measured). None leaves a switch as it is.
+        Whether liger or fla can run is checked at the first forward (a ConfigError there)."""
         from .errors import ConfigError
+        from .layers.kda import CONV_IMPLS
         from .layers.kpool_indexer import INDEXER_KERNELS, KPoolIndexer
         from .layers.residual import MHC, RESIDUAL_IMPLS
         from .ops.fused_loss import LOSS_IMPLS
 
         for name, v, allowed in (("loss_impl", loss, LOSS_IMPLS), ("residual_impl", residual, RESIDUAL_IMPLS),
-                                 ("indexer_kernel", indexer_kernel, INDEXER_KERNELS)):
+                                 ("indexer_kernel", indexer_kernel, INDEXER_KERNELS), ("kda_conv", kda_conv, CONV_IMPLS)):
             if v is not None and v not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)} (got {v!r}).")
         if loss is not None:
@@ -233,6 +236,8 @@ class LongCtxModel(nn.Module):
                 m.impl = residual
             if indexer_kernel is not None and isinstance(m, KPoolIndexer):
                 m.kernel = indexer_kernel
+            if kda_conv is not None and isinstance(m, KimiDeltaAttention):
+                m.conv_impl = kda_conv
 
     # ------------------------------------------------------------------ decoding
     def init_caches(self, batch: int, device=None, dtype=None) -> list:

@@ -214,3 +214,21 @@ def test_twin_computes_in_fp32_under_autocast():
     for a, b in ((got[0], ref[0]), (got[1], ref[1]), (got_step[0], ref_step[0]), (got_step[1], ref_step[1])):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
     assert torch.allclose(got_rec[0], ref[0][:, :5], rtol=1e-4, atol=1e-4)
+
+
+def test_conv_impl_rules():
+    """conv_impl fla needs CUDA and fla (one sentence naming the fix); a decoding step with a state keeps the
+    torch conv and says so; an unknown value names the choices."""
+    from longctx.errors import ConfigError
+
+    layer = KimiDeltaAttention(_cfg(), 0)
+    x = torch.randn(1, 9, layer.hidden_size)
+    layer.conv_impl = "fla"
+    with pytest.raises(ConfigError, match="conv_impl 'fla' needs CUDA tensors and fla-core.*set conv_impl to 'torch'"):
+        layer(x)
+    with torch.no_grad():
+        layer(x, layer.init_state(1))
+    assert layer.last_impl == "kda:torch-chunk+torch-conv"
+    layer.conv_impl = "cuda"
+    with pytest.raises(ConfigError, match="conv_impl must be one of torch, fla"):
+        layer(x)

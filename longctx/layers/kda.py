@@ -23,6 +23,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError, warn_fallback
 from ..ops.kda import (
     fla_available,
+    fla_causal_conv1d,
     fla_chunk_kda,
     fla_recurrent_kda,
     kda_chunk,
@@ -33,6 +34,7 @@ from ..ops.kda import (
 from .norms import GatedRMSNorm
 
 BACKENDS = ("auto", "torch", "fla", "triton")
+CONV_IMPLS = ("torch", "fla")  # the short conv: plain torch (the default) or fla's Triton causal_conv1d
 
 
 @dataclass
@@ -79,6 +81,7 @@ class KimiDeltaAttention(nn.Module):
             p._no_weight_decay = True
 
         self.backend = "auto"
+        self.conv_impl = "torch"  # "torch" | "fla": the short conv through fla's Triton kernel (opt-in until measured)
         self.last_impl: str | None = None
         self.reset_gate_parameters()
 
@@ -115,6 +118,8 @@ class KimiDeltaAttention(nn.Module):
         _, T, C = x.shape
         W = self.conv_size
         weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight], 0)  # [C, 1, W]
+        if self._conv_uses_fla(x, state):
+            return fla_causal_conv1d(x, weight[:, 0, :], cu_seqlens=cu_seqlens)
         xt = x.transpose(1, 2).to(weight.dtype)  # [B, C, T]
         if state is not None:
             xt = torch.cat([state.conv.to(weight.dtype), xt], -1)
@@ -130,6 +135,18 @@ class KimiDeltaAttention(nn.Module):
             for i in range(1, W):  # tap i reads x_{t-i}: valid when the token is >= i into its document
                 y = y + F.pad(xt, (i, 0))[..., :T] * weight[:, :, W - 1 - i] * (pos >= i)
         return F.silu(y).transpose(1, 2).to(x.dtype)
+
+    def _conv_uses_fla(self, x: torch.Tensor, state: KDAState | None) -> bool:
+        """conv_impl "fla": training and whole prefill (no decoding state) on CUDA; a decoding step with
+        a state keeps the torch conv (it carries the window), which `last_impl` shows ("+torch-conv")."""
+        if self.conv_impl not in CONV_IMPLS:
+            raise ConfigError(f"KDA conv_impl must be one of {', '.join(CONV_IMPLS)} (got {self.conv_impl!r}).")
+        if self.conv_impl == "torch" or state is not None:
+            return False
+        if not x.is_cuda or not fla_available():
+            raise ConfigError(f"KDA conv_impl 'fla' needs CUDA tensors and fla-core 0.6.0 (tensors on {x.device}, fla "
+                              f"{'importable' if fla_available() else 'not importable'}); set conv_impl to 'torch'.")
+        return True
 
     def _pick_backend(self, x: torch.Tensor) -> str:
         if self.backend not in BACKENDS:
@@ -185,6 +202,8 @@ class KimiDeltaAttention(nn.Module):
                 self.last_impl = "kda:torch-chunk"
         if state is not None:
             state.recurrent = final.to(state.recurrent.dtype)
+        if self.conv_impl == "fla":
+            self.last_impl += "+torch-conv" if state is not None else "+fla-conv"
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)
         o = self.o_norm(o.to(x.dtype), gate)

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-__all__ = ["fla_available", "fla_chunk_kda", "fla_recurrent_kda"]
+__all__ = ["fla_available", "fla_causal_conv1d", "fla_chunk_kda", "fla_recurrent_kda"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -90,3 +90,16 @@ def fla_recurrent_kda(
         q, k, v, g_raw, beta,
         **_common_kwargs(q, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state, cu_seqlens),
     )
+
+
+def fla_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(depthwise causal conv) of x [B, T, C] with weight [C, W] through fla's Triton kernel: the same
+    function as KimiDeltaAttention._short_conv's torch path (weight[:, W-1] multiplies the current token,
+    taps never cross a cu_seqlens boundary), in x's layout and dtype (no transposes or fp32 copies)."""
+    _require(x, weight)
+    from fla.modules.causal_conv1d.ops import causal_conv1d
+
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.long)
+    y, _ = causal_conv1d(x, weight=weight, activation="silu", backend="triton", cu_seqlens=cu_seqlens)
+    return y
