@@ -62,6 +62,31 @@ def _clz32(x):
 
 
 @triton.jit
+def _load_query_block(Q, W, b, t0, stride_qb, stride_qs, stride_qh, stride_wb, stride_ws, stride_wh, S, H,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+    """The MMA operand of queries t0 .. t0+BLOCK_M-1: q rows are (query m, head h) pairs, row = m * BLOCK_H
+    + h, [BLOCK_M * BLOCK_H, BLOCK_D]; their head weights as [BLOCK_M, BLOCK_H, 1] fp32; and the masks."""
+    rows = tl.arange(0, BLOCK_M * BLOCK_H)
+    rm = rows // BLOCK_H
+    rh = rows % BLOCK_H
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q_ok = ((t0 + rm) < S) & (rh < H)
+    q = tl.load(Q + b * stride_qb + (t0 + rm)[:, None].to(tl.int64) * stride_qs + rh[:, None] * stride_qh
+                + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_h = tl.arange(0, BLOCK_H)
+    t = t0 + offs_m
+    m_ok = t < S
+    w = tl.load(W + b * stride_wb + t[:, None].to(tl.int64) * stride_ws + offs_h[None, :] * stride_wh,
+                mask=m_ok[:, None] & (offs_h[None, :] < H), other=0.0).to(tl.float32)
+    return q, tl.reshape(w, [BLOCK_M, BLOCK_H, 1]), offs_d, d_ok, offs_m, t, m_ok
+
+
+@triton.jit
 def _tile_scores(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
                  BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
                  DOT_F32: tl.constexpr):
@@ -111,24 +136,9 @@ def _kpool_topk_kernel(
     b = tl.program_id(1).to(tl.int64)
     t0 = blk * BLOCK_M
 
-    # q rows are (query m, head h) pairs: row = m * BLOCK_H + h
-    rows = tl.arange(0, BLOCK_M * BLOCK_H)
-    rm = rows // BLOCK_H
-    rh = rows % BLOCK_H
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    q_ok = ((t0 + rm) < S) & (rh < H)
-    q = tl.load(Q + b * stride_qb + (t0 + rm)[:, None].to(tl.int64) * stride_qs + rh[:, None] * stride_qh
-                + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_h = tl.arange(0, BLOCK_H)
-    t = t0 + offs_m
-    m_ok = t < S
-    w = tl.load(W + b * stride_wb + t[:, None].to(tl.int64) * stride_ws + offs_h[None, :] * stride_wh,
-                mask=m_ok[:, None] & (offs_h[None, :] < H), other=0.0).to(tl.float32)
-    w3 = tl.reshape(w, [BLOCK_M, BLOCK_H, 1])
+    q, w3, offs_d, d_ok, offs_m, t, m_ok = _load_query_block(
+        Q, W, b, t0, stride_qb, stride_qs, stride_qh, stride_wb, stride_ws, stride_wh, S, H,
+        D, BLOCK_D, BLOCK_H, BLOCK_M, DOT_F32)
     pk_base = PK + b * stride_pb
 
     pos = q_offset + t  # absolute positions

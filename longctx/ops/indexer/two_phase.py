@@ -23,7 +23,15 @@ import triton
 import triton.language as tl
 
 from .naive import select_from_scores
-from .triton_kernel import _cfg, _check, _fix_interpreter_loop_bounds, _interpreting, _last_contig, _tile_scores
+from .triton_kernel import (
+    _cfg,
+    _check,
+    _fix_interpreter_loop_bounds,
+    _interpreting,
+    _last_contig,
+    _load_query_block,
+    _tile_scores,
+)
 
 
 @triton.jit
@@ -45,23 +53,9 @@ def _kpool_score_kernel(
     b = tl.program_id(2).to(tl.int64)
     t0 = blk * BLOCK_M
 
-    rows = tl.arange(0, BLOCK_M * BLOCK_H)  # (query m, head h) pairs: row = m * BLOCK_H + h
-    rm = rows // BLOCK_H
-    rh = rows % BLOCK_H
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    q_ok = ((t0 + rm) < S) & (rh < H)
-    q = tl.load(Q + b * stride_qb + (t0 + rm)[:, None].to(tl.int64) * stride_qs + rh[:, None] * stride_qh
-                + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_h = tl.arange(0, BLOCK_H)
-    t = t0 + offs_m
-    m_ok = t < S
-    w = tl.load(W + b * stride_wb + t[:, None].to(tl.int64) * stride_ws + offs_h[None, :] * stride_wh,
-                mask=m_ok[:, None] & (offs_h[None, :] < H), other=0.0).to(tl.float32)
-    w3 = tl.reshape(w, [BLOCK_M, BLOCK_H, 1])
+    q, w3, offs_d, d_ok, _, t, m_ok = _load_query_block(
+        Q, W, b, t0, stride_qb, stride_qs, stride_qh, stride_wb, stride_ws, stride_wh, S, H,
+        D, BLOCK_D, BLOCK_H, BLOCK_M, DOT_F32)
     pk_base = PK + b * stride_pb
     pos = q_offset + t
     n_hi = tl.minimum((q_offset + tl.minimum(t0 + BLOCK_M, S)) // P, NP)  # pools any row of the block sees
