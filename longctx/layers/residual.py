@@ -81,7 +81,8 @@ class MHC(nn.Module):
             return "liger"
         # auto takes liger on CUDA: its ops match ours (out 3.3e-3, d_streams 3.9e-3 rel-RMS, bench/mhc.py), the
         # whole model's gradients are as close to fp32 as the torch path's (6.9% vs 5.9%, tests/test_gpu_mhc.py on
-        # the H200), and a 128k h200-ref step takes 5.87 s instead of 7.93 s (+1.1 GiB peak; bench/run_h200.sh liger).
+        # the H200), and a 128k h200-ref step takes 5.87 s (bench/run_h200.sh liger) against 7.93 s with the torch path
+        # (an earlier session's run, bench/results/memory_runs/1_*), +1.1 GiB peak.
         if not streams.is_cuda or not self.recompute_cast or not AUTO_USES_LIGER:
             return "torch"
         if not mhc_liger.liger_mhc_available():

@@ -1,0 +1,72 @@
+"""Compile the indexer's Triton kernels for the H200 (sm_90) without a GPU and print what ptxas says.
+
+    python bench/compile_sm90.py
+
+Registers per thread, spilled bytes and shared memory decide how many programs fit on an SM, and they
+can be read before any device time is spent: triton compiles to PTX for a named target and its own
+bundled ptxas assembles it. The configs are the defaults at h200-ref's indexer width (16 heads x 64).
+Numbers from a real launch (`LAST_LAUNCH["n_regs"]` on the H200) can differ by a few registers: the
+driver's ptxas there may be another version.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from longctx.ops.indexer.triton_kernel import _kpool_topk_kernel  # noqa: E402
+from longctx.ops.indexer.two_phase import _emit_from_scores_kernel, _kpool_score_kernel  # noqa: E402
+
+
+def _sig(kernel, pointers: dict, consts: dict) -> dict:
+    """Pointer arguments as given, constexprs as such, every other argument (strides, sizes) i32."""
+    return {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+
+
+def compile_one(name, kernel, pointers, consts, num_warps, num_stages=2) -> dict:
+    src = ASTSource(fn=kernel, signature=_sig(kernel, pointers, consts), constexprs=consts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as d:
+        ptx = Path(d) / "k.ptx"
+        ptx.write_text(k.asm["ptx"])
+        out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(d) / "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return {"kernel": name, "registers": int(regs.group(1)) if regs else None,
+            "spill_store_bytes": int(spill.group(1)) if spill else None, "shared_bytes": k.metadata.shared,
+            "wgmma": "wgmma" in k.asm["ptx"], "num_warps": num_warps}
+
+
+def main() -> int:
+    common = dict(D=64, BLOCK_D=64, BLOCK_H=16, BLOCK_M=16, BLOCK_N=64, PREC="tf32", DOT_F32=False)
+    rows = [
+        compile_one("fused (_kpool_topk_kernel)", _kpool_topk_kernel,
+                    {"Q": "*bf16", "W": "*fp32", "PK": "*bf16", "OUT": "*i32", "PASSES": "*i32", "CKEY": "*i32",
+                     "CPID": "*i32"},
+                    dict(common, BLOCK_K=128, RBITS=4, HIST_TL=True, CAND=32, K_POW2=512, SORT_M=16), num_warps=8),
+        compile_one("two-phase score (_kpool_score_kernel)", _kpool_score_kernel,
+                    {"Q": "*bf16", "W": "*fp32", "PK": "*bf16", "OUT": "*fp32"}, dict(common, TILES=8), num_warps=8),
+        compile_one("two-phase emit (_emit_from_scores_kernel)", _emit_from_scores_kernel,
+                    {"SC": "*fp32", "KTH": "*fp32", "OUT": "*i32"}, dict(BLOCK_M=4, BLOCK_N=256, BLOCK_K=128), num_warps=4),
+    ]
+    print(f"triton {triton.__version__}, target sm_90a")
+    for r in rows:
+        print(f"{r['kernel']:<44} {r['registers']:>4} registers  {r['spill_store_bytes']} B spilled  "
+              f"{r['shared_bytes'] / 1024:.0f} KiB shared  wgmma {r['wgmma']}  ({r['num_warps']} warps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
