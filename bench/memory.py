@@ -245,8 +245,8 @@ class Bench:
             self.model = LongCtxModel(self.cfg)
         self.model.set_backend("auto")
         self.model.set_impls(residual=getattr(args, "residual_impl", None) or "auto",
-                             indexer_kernel=getattr(args, "indexer_kernel", None) or "fused",
-                             kda_conv=getattr(args, "kda_conv", None) or "torch")
+                             indexer_kernel=getattr(args, "indexer_kernel", None) or "two_phase",
+                             kda_conv=getattr(args, "kda_conv", None) or "auto")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.0,
                                      fused=self.dev.dev.type == "cuda")
         self.out = Path(args.out)
@@ -277,8 +277,8 @@ class Bench:
                 "preset": "tiny" if self.args.cpu_smoke else "h200-ref", "params": n,
                 "autocast": str(self.dtype).replace("torch.", ""), "peak_tflops": PEAK_FLOPS / 1e12,
                 "residual_impl": getattr(self.args, "residual_impl", None) or "auto",
-                "indexer_kernel": getattr(self.args, "indexer_kernel", None) or "fused",
-                "kda_conv": getattr(self.args, "kda_conv", None) or "torch",
+                "indexer_kernel": getattr(self.args, "indexer_kernel", None) or "two_phase",
+                "kda_conv": getattr(self.args, "kda_conv", None) or "auto",
                 "cuda_alloc": self.cuda_alloc, "model": self.cfg.to_dict()}
 
     def save(self):
@@ -859,12 +859,12 @@ def main(argv=None) -> int:
     ap.add_argument("--offload-seqlen", type=int, help="sequence length of pinned vs pageable (default 256k; quick 32k)")
     ap.add_argument("--resume", action="store_true", help="keep OUT/memory.json's results and add the missing ones")
     ap.add_argument("--quiet", action="store_true")
-    ap.add_argument("--kda-conv", choices=["torch", "fla"],
-                    help="the KDA short conv for every run (default torch; fla: its Triton causal_conv1d, opt-in)")
+    ap.add_argument("--kda-conv", choices=["auto", "torch", "fla"],
+                    help="the KDA short conv for every run (default auto: fla's causal_conv1d where KDA runs fla)")
     ap.add_argument("--indexer-kernel", choices=["fused", "two_phase"],
-                    help="the indexers' Triton path for every run (default fused; two_phase: bench/NOTES.md)")
+                    help="the indexers' Triton path for every run (default two_phase; fused: the one-kernel radix select)")
     ap.add_argument("--residual-impl", choices=["auto", "torch", "liger"],
-                    help="mHC implementation for every run (default auto = torch; liger: the fused kernels, opt-in)")
+                    help="mHC implementation for every run (default auto = liger's fused kernels on CUDA)")
     ap.add_argument("--peak", metavar="S[:CONFIG]",
                     help="CUDA: after the runs, what is alive at the peak of one warm step at S tokens under CONFIG "
                          "(all_on, a switch-off config, or offload_all; default all_on)")

@@ -34,14 +34,15 @@ left() { local r=$((CALL_S - SECONDS)); [ -n "${1:-}" ] && [ "$1" -lt "$r" ] && 
 [ "$1" = kernels ] && set -- tests e2e kda
 [ "$1" = extras ] && set -- offload liger switches
 for part in "$@"; do
+echo "$(date +%T) part $part"
 case "$part" in
 tests)
   # the GPU test files (all but the 128k end-to-end check, or those named in GPU_TESTS, in that order),
-  # each under its own timeout so that one slow file does not hide the others, logged whole (a tail
+  # (GPU_TESTS_K: a pytest -k expression), each under its own timeout (TEST_S, 200 s) so that one slow file does not hide the others, logged whole (a tail
   # through the tool's 12k-character window loses the failures), with each test's duration
   for f in ${GPU_TESTS:-fused_loss indexer kda mhc sequence_chunks sparse_attention test_logic}; do
     echo "=== tests/test_gpu_$f.py" >> "$OUT/gpu_tests.log"
-    timeout $(left 200) python -m pytest -q -rfE --tb=short -s --durations=0 -o faulthandler_timeout=240 "tests/test_gpu_$f.py" >> "$OUT/gpu_tests.log" 2>&1
+    timeout $(left ${TEST_S:-200}) python -m pytest -q -rfE --tb=short -s --durations=0 -o faulthandler_timeout=240 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} "tests/test_gpu_$f.py" >> "$OUT/gpu_tests.log" 2>&1
     echo "=== tests/test_gpu_$f.py: exit $?" | tee -a "$OUT/gpu_tests.log"
   done
   grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -15
@@ -56,11 +57,13 @@ indexer)
   timeout $(left) python bench/indexer.py --out "$OUT" --quick --sweep --probe > "$OUT/indexer.log" 2>&1; tail -4 "$OUT/indexer.log"
   ;;
 variants)
-  # 128k steps with the opt-in kernels (against all_on's 5.94 s, memory_runs/10_*): the two-phase indexer,
-  # fla's causal conv in KDA, both
-  for v in "--indexer-kernel two_phase" "--kda-conv fla" "--indexer-kernel two_phase --kda-conv fla"; do
-    d=$(echo $v | tr -d ' -' | tr '_' '-')
-    timeout $(left) python bench/memory.py --out "$OUT/$d" $v --parts runs --configs all_on --seqlens 131072 \
+  # 128k steps with the opt-in kernels beside all_on in the same call (VARIANTS: ';'-separated memory.py
+  # options, "all_on" for none): the two-phase indexer, fla's causal conv in KDA, both
+  IFS=';' read -ra vs <<< "${VARIANTS:---indexer-kernel two_phase;all_on;--indexer-kernel two_phase --kda-conv fla;--kda-conv fla}"
+  for v in "${vs[@]}"; do
+    d=$(echo $v | tr -d ' -' | tr '_' '-'); o=$v; [ "$v" = all_on ] && o=
+    echo "$(date +%T) variant $v"
+    timeout $(left) python bench/memory.py --out "$OUT/$d" $o --parts runs --configs all_on --seqlens 131072 \
         > "$OUT/memory_$d.log" 2>&1; tail -2 "$OUT/memory_$d.log"
   done
   ;;
@@ -78,7 +81,7 @@ memory)
 step1m)
   # warm-up at 8k (compiles, optimizer state), one 1M step in steady state (a line per chunk, with the
   # peak so far), a profiled 128k step, the baseline's longest context, host memory over 20 steps
-  timeout $(left) python bench/memory.py --out "$OUT" --parts runs,baseline,host --configs all_on \
+  timeout $(left) python bench/memory.py --out "$OUT" --parts ${STEP1M_PARTS:-runs,baseline,host} --configs all_on \
       --seqlens 1048576 --profile 131072 --host-seqlen 65536 > "$OUT/memory_1m.log" 2>&1; tail -40 "$OUT/memory_1m.log"
   ;;
 offload)

@@ -157,15 +157,18 @@ def test_select_pools_dispatch():
 
 
 # ------------------------------------------------------------------------------ the layer's backend switch
-def h200_indexer(seed=0):
+def h200_indexer(seed=0, kernel="fused"):
     """KPoolIndexer at the h200-ref shapes (16 heads x 64, pools of 4, top-2048 tokens = 512 pools,
-    tail on) in bf16 on CUDA, its default init (pool gate ones, no positional bias)."""
+    tail on) in bf16 on CUDA, its default init (pool gate ones, no positional bias); `kernel` its
+    Triton path (the default is two_phase; the tests name the one they check)."""
     from longctx.config import preset
     from longctx.layers.kpool_indexer import KPoolIndexer
 
     cfg = preset("h200-ref")
     torch.manual_seed(seed)
-    return KPoolIndexer(cfg, 3).cuda().to(torch.bfloat16), cfg
+    ind = KPoolIndexer(cfg, 3).cuda().to(torch.bfloat16)
+    ind.kernel = kernel
+    return ind, cfg
 
 
 def layer_near_tie_gap(ind, x, ql, got, ref, p0=0, pk=None) -> tuple[int, float]:
@@ -232,14 +235,15 @@ def test_layer_two_phase_kernel_matches_torch():
     assert n_rows <= max(2, B * S // 1000) and gap < 1e-5, (n_rows, gap)
 
 
+@pytest.mark.parametrize("kernel", ["fused", "two_phase"])
 @torch.no_grad()
-def test_layer_triton_backend_decoding():
+def test_layer_triton_backend_decoding(kernel):
     """With an IndexerCache: a 6001-token prefill, then 1-, 7- and 1-token steps (query offsets
     p0 > 0), each backend with its own cache; then the triton picks equal the whole-sequence call's
     (its tie-break does not depend on the row length)."""
     from longctx.layers.kpool_indexer import IndexerCache
 
-    ind, cfg = h200_indexer(seed=1)
+    ind, cfg = h200_indexer(seed=1, kernel=kernel)
     g = torch.Generator(device="cuda").manual_seed(5)
     S = 6010
     x = torch.randn(1, S, cfg.hidden_size, device="cuda", generator=g).to(torch.bfloat16)

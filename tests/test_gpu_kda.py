@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla-core 0.6.0"
 )
 
-OUT_TOL, GRAD_TOL = 5e-3, 2e-2
+OUT_TOL, GRAD_TOL = 5e-3, 2e-2  # an op against its twin
+LAYER_TOL = 2e-2  # a whole layer in bf16 with one op swapped (its rounding propagates)
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -103,33 +104,56 @@ def test_layer_auto_picks_fla_and_matches_torch():
                 p.normal_(0, 0.05)
     x = torch.randn(2, 333, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     y = layer(x)
-    assert layer.last_impl == "kda:fla-chunk"
+    assert layer.last_impl == "kda:fla-chunk+fla-conv"  # conv_impl auto: fla's conv where the kernel is fla's
     layer.backend = "torch"
     y_ref = layer(x)
     assert layer.last_impl == "kda:torch-chunk"
-    assert rel_rms(y, y_ref) <= 2e-2
+    assert rel_rms(y, y_ref) <= LAYER_TOL
+    layer.conv_impl = "torch"
+    y_torch_conv = layer(x)
+    assert layer.last_impl == "kda:torch-chunk"
+    assert torch.equal(y_torch_conv, y_ref)
+    layer.conv_impl = "auto"
     layer.backend = "auto"
     with torch.no_grad():  # decoding: prefill, then a step through fused_recurrent_kda
         st = layer.init_state(2, x.device, x.dtype)
         parts = [layer(x[:, :300], st), layer(x[:, 300:301], st)]
-        assert layer.last_impl == "kda:fla-recurrent"
+        assert layer.last_impl == "kda:fla-recurrent+torch-conv"  # the state carries the conv window
         parts.append(layer(x[:, 301:], st))
-    assert rel_rms(torch.cat(parts, 1), y_ref) <= 2e-2
+    assert rel_rms(torch.cat(parts, 1), y_ref) <= LAYER_TOL
 
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_layer_fla_conv_matches_torch_conv(packed):
-    """conv_impl fla (fla's causal_conv1d, SiLU fused) against the torch conv inside the KDA layer, bf16
-    under autocast, fresh random inputs: outputs and every gradient; packed: three documents whose taps
-    must not cross (cu_seqlens)."""
+    """conv_impl fla (fla's causal_conv1d, SiLU fused) against the torch conv, fresh random inputs, a
+    length that is no multiple of any tile: the conv alone (`_short_conv`, bf16, output and the input's
+    and weights' gradients) and inside the layer under autocast (KDA through the torch twin in both runs,
+    so that only the conv differs; every parameter's gradient); packed: three documents whose taps must
+    not cross (cu_seqlens)."""
     from longctx.config import preset
     from longctx.layers.kda import KimiDeltaAttention
 
     torch.manual_seed(11 + packed)
     layer = KimiDeltaAttention(preset("small"), 0).cuda()
+    layer.backend = "torch"
     T = 777
-    x = torch.randn(1 if packed else 2, T, layer.hidden_size, device="cuda")
+    B = 1 if packed else 2
     cu = torch.tensor([0, 200, 517, T], device="cuda") if packed else None
+    xc = torch.randn(B, T, 3 * layer.num_heads * layer.head_dim, device="cuda", dtype=torch.bfloat16)
+    convs = (layer.q_conv.weight, layer.k_conv.weight, layer.v_conv.weight)
+    op = {}
+    for use_fla in (False, True):
+        layer.zero_grad(set_to_none=True)
+        xi = xc.clone().requires_grad_(True)
+        y = layer._short_conv(xi, None, cu, conv_fla=use_fla)
+        (y.float() * torch.linspace(-1, 1, y.shape[-1], device="cuda")).square().mean().backward()
+        op[use_fla] = (y.detach().float(), xi.grad.float(), [w.grad.clone() for w in convs])
+    assert rel_rms(op[True][0], op[False][0]) <= OUT_TOL
+    assert rel_rms(op[True][1], op[False][1]) <= GRAD_TOL
+    for a, b in zip(op[True][2], op[False][2]):
+        assert rel_rms(a, b) <= GRAD_TOL
+
+    x = torch.randn(B, T, layer.hidden_size, device="cuda")
     runs = {}
     for impl in ("torch", "fla"):
         layer.conv_impl = impl
@@ -139,8 +163,11 @@ def test_layer_fla_conv_matches_torch_conv(packed):
             y = layer(xi, cu_seqlens=cu)
         y.float().pow(2).mean().backward()
         runs[impl] = (y.detach(), xi.grad, {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
-        assert layer.last_impl.endswith("+fla-conv") == (impl == "fla")
+        assert layer.last_impl == ("kda:torch-chunk+fla-conv" if impl == "fla" else "kda:torch-chunk")
+    # the layer: one bf16 rounding of the conv's output carried through l2norm, the delta rule, the gated
+    # norm and o_proj, each rounded to bf16 again: the layer tolerance of test_layer_auto_picks (the H200
+    # measured 6.3e-3 for the output here, against the op's 5e-3 above, which passed)
     (y_t, gx_t, g_t), (y_f, gx_f, g_f) = runs["torch"], runs["fla"]
-    assert rel_rms(y_f, y_t) <= OUT_TOL and rel_rms(gx_f, gx_t) <= GRAD_TOL
+    assert rel_rms(y_f, y_t) <= LAYER_TOL and rel_rms(gx_f, gx_t) <= LAYER_TOL
     for n in g_t:
-        assert rel_rms(g_f[n], g_t[n]) <= GRAD_TOL, n
+        assert rel_rms(g_f[n], g_t[n]) <= LAYER_TOL, n

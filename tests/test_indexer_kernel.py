@@ -115,7 +115,7 @@ def _run_layer_cases() -> None:
     # last one ragged, and 25 pools (a partial pool tile of 64); topk 16 in pools of 4 = 4 pools per
     # query, tail on. (The interpreter needs ~1 s per program, mostly the deferred rows' sort.)
     ind, x, ql = layer_problem(2, 101, 8, 16, 16, 4, seed=3)
-    ind.backend = "triton"
+    ind.backend, ind.kernel = "triton", "fused"
     got = ind.select(x, ql)
     impl = ind.last_impl
     ind.backend = "torch"
@@ -137,7 +137,7 @@ def _run_layer_cases() -> None:
     print("RESULT " + json.dumps({"name": "layer_bad_kernel", "error": bad_kernel}), flush=True)
     ind.kernel = "fused"
 
-    # decoding: a ragged prefill, then steps of 1..13 tokens crossing pool boundaries (query offset
+    # decoding with the default kernel (two_phase): a ragged prefill, then steps of 1..13 tokens crossing pool boundaries (query offset
     # p0 not a multiple of the pool or of the tiles), each backend with its own cache
     ind, x, ql = layer_problem(1, 83, 8, 16, 20, 4, seed=4)
     caches = {"triton": IndexerCache(), "torch": IndexerCache()}
@@ -305,7 +305,7 @@ def test_layer_triton_backend_matches_torch_decoding(interp_results):
     """The same with an IndexerCache: query offsets p0 > 0, one-token and multi-token steps."""
     r = interp_results["layer_cache"]
     assert r["gap"] > 1e-4, r
-    assert r["impls"] == ["indexer:torch-chunked", "indexer:triton-fused"], r
+    assert r["impls"] == ["indexer:torch-chunked", "indexer:triton-two-phase"], r
     assert r["cache_len"] == 83, r
     assert r["equal"], r
     assert r["full_equal_last"], r

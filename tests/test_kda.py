@@ -223,12 +223,15 @@ def test_conv_impl_rules():
 
     layer = KimiDeltaAttention(_cfg(), 0)
     x = torch.randn(1, 9, layer.hidden_size)
+    assert layer.conv_impl == "auto"
+    layer(x)
+    assert layer.last_impl == "kda:torch-chunk"  # auto on the CPU: the torch conv, no suffix (nothing asked for was declined)
     layer.conv_impl = "fla"
-    with pytest.raises(ConfigError, match="conv_impl 'fla' needs CUDA tensors and fla-core.*set conv_impl to 'torch'"):
+    with pytest.raises(ConfigError, match="conv_impl 'fla' needs CUDA tensors and fla-core.*set conv_impl to 'torch' or 'auto'"):
         layer(x)
     with torch.no_grad():
         layer(x, layer.init_state(1))
     assert layer.last_impl == "kda:torch-chunk+torch-conv"
     layer.conv_impl = "cuda"
-    with pytest.raises(ConfigError, match="conv_impl must be one of torch, fla"):
+    with pytest.raises(ConfigError, match="conv_impl must be one of auto, torch, fla"):
         layer(x)

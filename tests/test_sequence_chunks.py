@@ -305,7 +305,7 @@ def test_triton_kernels_in_the_chunked_step():
     from triton_interpreter import run_interpreted
 
     r = run_interpreted(__file__)["triton_chunked"]
-    assert "dsa:triton-sparse" in r["impl"] and "indexer:triton-fused" in r["impl"], r
+    assert "dsa:triton-sparse" in r["impl"] and "indexer:triton-two-phase" in r["impl"], r
     assert r["same_keys"] and r["loss_diff"] < 1e-5 and r["grad_err"] < 1e-4, r
 
 

@@ -34,7 +34,7 @@ from ..ops.kda import (
 from .norms import GatedRMSNorm
 
 BACKENDS = ("auto", "torch", "fla", "triton")
-CONV_IMPLS = ("torch", "fla")  # the short conv: plain torch (the default) or fla's Triton causal_conv1d
+CONV_IMPLS = ("auto", "torch", "fla")  # the short conv: fla's Triton causal_conv1d where KDA runs fla (auto), or forced
 
 
 @dataclass
@@ -81,7 +81,7 @@ class KimiDeltaAttention(nn.Module):
             p._no_weight_decay = True
 
         self.backend = "auto"
-        self.conv_impl = "torch"  # "torch" | "fla": the short conv through fla's Triton kernel (opt-in until measured)
+        self.conv_impl = "auto"  # "auto" | "torch" | "fla": auto = fla's conv whenever the chunk kernel is fla's (1.12x a 128k step)
         self.last_impl: str | None = None
         self.reset_gate_parameters()
 
@@ -110,7 +110,8 @@ class KimiDeltaAttention(nn.Module):
         )
 
     # ------------------------------------------------------------------ pieces
-    def _short_conv(self, x: torch.Tensor, state: KDAState | None, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    def _short_conv(self, x: torch.Tensor, state: KDAState | None, cu_seqlens: torch.Tensor | None,
+                    conv_fla: bool = False) -> torch.Tensor:
         """Depthwise causal conv + SiLU over [B, T, 3*H*K] (q, k, v channels side by side).
 
         With `state`, the window of earlier inputs is prepended (and replaced by the new tail);
@@ -118,7 +119,7 @@ class KimiDeltaAttention(nn.Module):
         _, T, C = x.shape
         W = self.conv_size
         weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight], 0)  # [C, 1, W]
-        if self._conv_uses_fla(x, state):
+        if conv_fla:
             return fla_causal_conv1d(x, weight[:, 0, :], cu_seqlens=cu_seqlens)
         xt = x.transpose(1, 2).to(weight.dtype)  # [B, C, T]
         if state is not None:
@@ -137,15 +138,19 @@ class KimiDeltaAttention(nn.Module):
         return F.silu(y).transpose(1, 2).to(x.dtype)
 
     def _conv_uses_fla(self, x: torch.Tensor, state: KDAState | None) -> bool:
-        """conv_impl "fla": training and whole prefill (no decoding state) on CUDA; a decoding step with
-        a state keeps the torch conv (it carries the window), which `last_impl` shows ("+torch-conv")."""
+        """Training and whole prefill (no decoding state) take fla's conv under "fla", and under "auto"
+        whenever the layer's KDA kernel is fla's; a decoding step with a state keeps the torch conv (it
+        carries the window). `last_impl` ends in "+fla-conv" when fla's conv ran, "+torch-conv" when
+        fla's conv was asked for (or auto with fla's kernel) and a state kept the torch one."""
         if self.conv_impl not in CONV_IMPLS:
             raise ConfigError(f"KDA conv_impl must be one of {', '.join(CONV_IMPLS)} (got {self.conv_impl!r}).")
         if self.conv_impl == "torch" or state is not None:
             return False
+        if self.conv_impl == "auto":
+            return self._pick_backend(x) == "fla"
         if not x.is_cuda or not fla_available():
             raise ConfigError(f"KDA conv_impl 'fla' needs CUDA tensors and fla-core 0.6.0 (tensors on {x.device}, fla "
-                              f"{'importable' if fla_available() else 'not importable'}); set conv_impl to 'torch'.")
+                              f"{'importable' if fla_available() else 'not importable'}); set conv_impl to 'torch' or 'auto'.")
         return True
 
     def _pick_backend(self, x: torch.Tensor) -> str:
@@ -174,7 +179,9 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         if state is not None and cu_seqlens is not None:
             raise ValueError("KimiDeltaAttention: decoding with a KDAState takes unpacked rows; drop cu_seqlens.")
-        qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state, cu_seqlens)
+        conv_fla = self._conv_uses_fla(x, state)
+        qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state, cu_seqlens,
+                               conv_fla)
         q, k, v = (t.view(B, T, H, K) for t in qkv.split(H * K, -1))
         g_raw = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         beta = torch.sigmoid(self.b_proj(x))
@@ -202,8 +209,10 @@ class KimiDeltaAttention(nn.Module):
                 self.last_impl = "kda:torch-chunk"
         if state is not None:
             state.recurrent = final.to(state.recurrent.dtype)
-        if self.conv_impl == "fla":
-            self.last_impl += "+torch-conv" if state is not None else "+fla-conv"
+        if conv_fla:
+            self.last_impl += "+fla-conv"
+        elif self.conv_impl == "fla" or (self.conv_impl == "auto" and self.last_impl.startswith("kda:fla")):
+            self.last_impl += "+torch-conv"  # a state (decoding, sequence chunks) kept the torch conv: say so
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)
         o = self.o_norm(o.to(x.dtype), gate)
