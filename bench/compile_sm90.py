@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from longctx.ops.indexer.triton_kernel import _kpool_topk_kernel  # noqa: E402
-from longctx.ops.indexer.two_phase import _emit_from_scores_kernel, _kpool_score_kernel  # noqa: E402
+from longctx.ops.indexer.two_phase import _emit_from_scores_kernel, _kpool_score_kernel, _kth_score_kernel  # noqa: E402
 
 
 def _sig(kernel, pointers: dict, consts: dict) -> dict:
@@ -60,6 +60,8 @@ def main() -> int:
                     {"Q": "*bf16", "W": "*fp32", "PK": "*bf16", "OUT": "*fp32"}, dict(common, TILES=8), num_warps=8),
         compile_one("two-phase emit (_emit_from_scores_kernel)", _emit_from_scores_kernel,
                     {"SC": "*fp32", "KTH": "*fp32", "OUT": "*i32"}, dict(BLOCK_M=4, BLOCK_N=256, BLOCK_K=128), num_warps=4),
+        compile_one("two-phase k-th, radix (_kth_score_kernel)", _kth_score_kernel,
+                    {"SC": "*fp32", "KTH": "*fp32"}, dict(RBITS=8, BLOCK_N=1024), num_warps=4),
     ]
     print(f"triton {triton.__version__}, target sm_90a")
     for r in rows:

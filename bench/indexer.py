@@ -6,7 +6,8 @@
 Problem (the h200-ref indexer): q [1,S,16,64] bf16 (pre-scaled), w [1,S,16] fp32, pooled keys
 [1,S/4,64] bf16, pool 4, top-512 pools (top-2048 tokens). Per S it times the fused kernel, the
 two-phase path (`ops/indexer/two_phase.py`: a score kernel into an fp32 [1024, pools] buffer, then
-torch selection; its rows that differ from the kernel's are counted), the
+each row's k-th score by torch.topk, or by our radix kernel in `two_phase_radix`, and the emit kernel;
+the rows that differ from the fused kernel's are counted), the
 chunked torch twin (256 queries per pass, up to --torch-max) and the unchunked twin (an fp32
 [S,H,NP] workspace) until it runs out of memory (recorded as {"oom": true}), records each one's
 peak memory above the inputs, and checks the kernel's picks against the chunked twin (rows that
@@ -42,6 +43,7 @@ from timing import provenance, timed, write_results  # bench/ is on sys.path whe
 
 from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch, kpool_topk_two_phase
 from longctx.ops.indexer import triton_kernel as tk
+from longctx.ops.indexer.two_phase import kth_scores_triton
 
 P = 4
 MMA_PEAK = 778e12  # measured dense bf16 matmul rate on the H200 (bench/NOTES.md)
@@ -155,7 +157,8 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
     the fused kernel before writing it. Per chunk of queries, the causal width (pools any of its queries
     sees): `score_mm` the bf16 scoring matmul [chunk*H, D] x [D, width] alone (cuBLAS, no ReLU or head
     sum: a lower bound for the score pass), `topk` torch.topk(k_pools) of a random fp32 [chunk, width]
-    buffer, `hbm_ms` the bytes of writing and reading that buffer once at 4.0 TB/s (computed)."""
+    buffer, `kth_radix` our radix-select kernel's k-th score of the same rows (what topk is used for),
+    `hbm_ms` the bytes of writing and reading that buffer once at 4.0 TB/s (computed)."""
     g = torch.Generator(device=dev.name).manual_seed(1)
     widths = [min(S, s0 + chunk) // P for s0 in range(0, S, chunk)]
     wmax = max(widths)
@@ -174,8 +177,13 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
             if n and k:
                 torch.topk(buf[:, :n], k, dim=-1, sorted=False)
 
+    def kth_radix_all():
+        for n, k in zip(widths, ks):
+            if n and k:
+                kth_scores_triton(buf[None, :, :n], k)
+
     out = {"chunk": chunk, "S": S, "heads": H, "head_dim": D, "k_pools": K}
-    for name, fn in (("score_mm", score_all), ("topk", topk_all)):
+    for name, fn in (("score_mm", score_all), ("topk", topk_all), ("kth_radix", kth_radix_all)):
         _, first_s, _ = dev.first_call(fn)
         out[f"{name}_ms"], _ = dev.time_ms(fn, first_s, warmup, reps)
     out["hbm_ms"] = 2 * 4 * sum(widths) * chunk / 4.0e12 * 1e3
@@ -185,11 +193,12 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
     return out
 
 
-def two_phase_case(S, H, D, K, dev, warmup, reps, chunk=1024):
-    """The two-phase indexer (score kernel into an fp32 [chunk, pools] buffer, torch selection)."""
+def two_phase_case(S, H, D, K, dev, warmup, reps, chunk=1024, kth="topk"):
+    """The two-phase indexer (score kernel into an fp32 [chunk, pools] buffer, each row's k-th score by
+    torch.topk or the radix kernel, the emit kernel)."""
     q, w, pk = inputs(S, H, D, dev)
-    res, out = run_impl(lambda: kpool_topk_two_phase(q, w, pk, P, K, chunk=chunk), S, H, D, dev, warmup, reps)
-    res["chunk"] = chunk
+    res, out = run_impl(lambda: kpool_topk_two_phase(q, w, pk, P, K, chunk=chunk, kth=kth), S, H, D, dev, warmup, reps)
+    res.update(chunk=chunk, kth=kth)
     return res, out
 
 
@@ -272,7 +281,8 @@ def main():
         results.setdefault("compile_s", {})[f"{H}x{D}"] = time.perf_counter() - t0
         del qw
         unchunked_alive = True
-        last = {"kernel": (None, 0), "two_phase": (None, 0), "torch_chunk256": (None, 0), "torch_unchunked": (None, 0)}
+        last = {"kernel": (None, 0), "two_phase": (None, 0), "two_phase_radix": (None, 0), "torch_chunk256": (None, 0),
+                "torch_unchunked": (None, 0)}
         for S in seqlens:
             case = {"S": S, "H": H, "D": D, "pairs": pairs(S), "floor_ms": floor_ms(S, H, D)}
             skip = over_budget(*last["kernel"], S, 1 + reps)
@@ -289,6 +299,15 @@ def main():
                 last["two_phase"] = (case["two_phase"], S)
                 if kout is not None and two is not None:
                     case["two_phase"]["rows_differ_from_kernel"] = int((two != kout).any(-1).sum())
+                del two
+            if skip := over_budget(*last["two_phase_radix"], S, 1 + reps):
+                case["two_phase_radix"] = skip
+            else:
+                case["two_phase_radix"], two = two_phase_case(S, H, D, K, dev, warmup, reps, chunk=32 if dev.cpu else 1024,
+                                                              kth="radix")
+                last["two_phase_radix"] = (case["two_phase_radix"], S)
+                if kout is not None and two is not None:
+                    case["two_phase_radix"]["rows_differ_from_kernel"] = int((two != kout).any(-1).sum())
                 del two
             if S > args.torch_max:
                 case["torch_chunk256"] = f"skipped: S > --torch-max {args.torch_max}"

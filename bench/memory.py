@@ -861,7 +861,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--kda-conv", choices=["auto", "torch", "fla"],
                     help="the KDA short conv for every run (default auto: fla's causal_conv1d where KDA runs fla)")
-    ap.add_argument("--indexer-kernel", choices=["fused", "two_phase"],
+    ap.add_argument("--indexer-kernel", choices=["fused", "two_phase", "two_phase_radix"],
                     help="the indexers' Triton path for every run (default two_phase; fused: the one-kernel radix select)")
     ap.add_argument("--residual-impl", choices=["auto", "torch", "liger"],
                     help="mHC implementation for every run (default auto = liger's fused kernels on CUDA)")

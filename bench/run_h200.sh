@@ -53,13 +53,15 @@ e2e)
   tail -5 "$OUT/gpu_e2e.log"
   ;;
 indexer)
-  # the fused indexer at 32k and 128k, its config sweep (passes vs per-pass cost), the two-phase probe
-  timeout $(left) python bench/indexer.py --out "$OUT" --quick --sweep --probe > "$OUT/indexer.log" 2>&1; tail -4 "$OUT/indexer.log"
+  # the indexer paths at 32k and 128k (fused, two-phase with topk and with the radix k-th) and the
+  # two-phase probe; INDEXER_ARGS="--quick --sweep --probe" adds the fused kernel's config sweep (call 11 ran it)
+  timeout $(left) python bench/indexer.py --out "$OUT" ${INDEXER_ARGS:---quick --probe} > "$OUT/indexer.log" 2>&1; tail -4 "$OUT/indexer.log"
   ;;
 variants)
-  # 128k steps with the opt-in kernels beside all_on in the same call (VARIANTS: ';'-separated memory.py
-  # options, "all_on" for none): the two-phase indexer, fla's causal conv in KDA, both
-  IFS=';' read -ra vs <<< "${VARIANTS:---indexer-kernel two_phase;all_on;--indexer-kernel two_phase --kda-conv fla;--kda-conv fla}"
+  # 128k steps with opt-in kernels beside all_on (the defaults) in the same call (VARIANTS: ';'-separated
+  # memory.py options, "all_on" for none). Call 12 ran "--indexer-kernel fused --kda-conv torch" (then the
+  # defaults), two_phase, fla conv and both; next: the radix k-th select in the two-phase indexer
+  IFS=';' read -ra vs <<< "${VARIANTS:-all_on;--indexer-kernel two_phase_radix}"
   for v in "${vs[@]}"; do
     d=$(echo $v | tr -d ' -' | tr '_' '-'); o=$v; [ "$v" = all_on ] && o=
     echo "$(date +%T) variant $v"

@@ -113,6 +113,8 @@ def test_two_phase_exact_inputs_match_twin(B, S, H, D, P, K, q_offset, dtype):
     out = kpool_topk_two_phase(q, w, pk, P, K, chunk=1000, q_offset=q_offset)
     ref = kpool_topk_torch(q, w, pk, P, K, chunk=256, q_offset=q_offset)
     assert int((out != ref).any(-1).sum()) == 0
+    radix = kpool_topk_two_phase(q, w, pk, P, K, chunk=1000, q_offset=q_offset, kth="radix")
+    assert int((radix != ref).any(-1).sum()) == 0
 
 
 def test_two_phase_random_inputs_match_fused_and_twin():
@@ -124,12 +126,31 @@ def test_two_phase_random_inputs_match_fused_and_twin():
     S, P, K = 8192, 4, 512
     q, w, pk = problem(1, S, 16, 64, S // P, exact=False, seed=5)
     two = kpool_topk_two_phase(q, w, pk, P, K, chunk=1024)
+    assert torch.equal(kpool_topk_two_phase(q, w, pk, P, K, chunk=1024, kth="radix"), two)  # the same k-th scores
     fused = kpool_topk_triton(q, w, pk, P, K)
     ref = kpool_topk_torch(q, w, pk, P, K, chunk=512)
     assert int((two != fused).any(-1).sum()) <= S // 1000
     n_rows, gap = near_tie_gap(two, ref, q, w, pk)
     assert n_rows <= S // 100 and gap < 1e-5, (n_rows, gap)
     check_structure(two, P, K)
+
+
+@pytest.mark.parametrize("rbits", [8, 4])
+def test_radix_kth_equals_topk(rbits):
+    """_kth_score_kernel against torch.topk's k-th value, exactly, on causal-looking fp32 rows (a prefix
+    of finite scores, -inf after), bf16-rounded so that ties occur, signed zeros, k past the finite part."""
+    from longctx.ops.indexer.two_phase import kth_scores_triton
+
+    g = torch.Generator(device="cuda").manual_seed(rbits)
+    c, n = 300, 20011
+    sc = torch.randn(2, c, n, device="cuda", generator=g).relu_().bfloat16().float()
+    sc[0, :, ::7] = -0.0
+    lens = torch.linspace(1, n, c, device="cuda").long()
+    sc = torch.where(torch.arange(n, device="cuda") < lens[:, None], sc, float("-inf"))
+    for k in (1, 512, 5000, n + 5):
+        got = kth_scores_triton(sc, k, rbits=rbits)
+        ref = sc.topk(min(k, n), dim=-1, sorted=False).values.amin(-1)
+        assert torch.equal(got, ref), (k, int((got != ref).sum()))
 
 
 def test_memory_is_o_s_k():
@@ -235,7 +256,7 @@ def test_layer_two_phase_kernel_matches_torch():
     assert n_rows <= max(2, B * S // 1000) and gap < 1e-5, (n_rows, gap)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "two_phase"])
+@pytest.mark.parametrize("kernel", ["fused", "two_phase", "two_phase_radix"])
 @torch.no_grad()
 def test_layer_triton_backend_decoding(kernel):
     """With an IndexerCache: a 6001-token prefill, then 1-, 7- and 1-token steps (query offsets

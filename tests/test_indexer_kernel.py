@@ -126,8 +126,12 @@ def _run_layer_cases() -> None:
                                   "n_bad_rows": int((got != ref_chunked).any(-1).sum())}), flush=True)
     ind.backend, ind.kernel = "triton", "two_phase"
     two = ind.select(x, ql)
-    print("RESULT " + json.dumps({"name": "layer_two_phase", "impl": ind.last_impl,
-                                  "equal": bool(torch.equal(two, ref_chunked))}), flush=True)
+    impl_two = ind.last_impl
+    ind.kernel = "two_phase_radix"
+    two_r = ind.select(x, ql)
+    print("RESULT " + json.dumps({"name": "layer_two_phase", "impl": impl_two, "impl_radix": ind.last_impl,
+                                  "equal": bool(torch.equal(two, ref_chunked) and torch.equal(two_r, ref_chunked))}),
+          flush=True)
     ind.kernel = "radix"
     try:
         ind.select(x, ql)
@@ -176,8 +180,9 @@ def _run_cases() -> None:
         tiles = {k: v for k, v in cfg.items() if k in ("BLOCK_M", "BLOCK_N")}
         two = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2))
         two_t = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2), select="torch")
+        two_r = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2), kth="radix")
         res = {"name": name, "equal": bool(torch.equal(out, twin)), "dtype": str(out.dtype),
-               "two_phase_equal": bool(torch.equal(two, twin) and torch.equal(two_t, twin)),
+               "two_phase_equal": bool(torch.equal(two, twin) and torch.equal(two_t, twin) and torch.equal(two_r, twin)),
                "two_phase_dtype": str(two.dtype),
                "n_bad_rows": int((out != twin).any(-1).sum()), "passes_max": int(LAST_LAUNCH["passes"].max()),
                "deferred": int(LAST_LAUNCH["deferred"].sum())}
@@ -212,7 +217,29 @@ def _run_cases() -> None:
     sc = torch.where(valid, sc, float("-inf"))
     sel_ok = all(torch.equal(select_from_scores_triton(sc, k, block_n=32), select_from_scores(sc, valid, k))
                  for k in (1, 7, 64, 200))
-    print("RESULT " + json.dumps({"name": "emit_kernel", "equal": bool(sel_ok)}), flush=True)
+    sel_radix = all(torch.equal(select_from_scores_triton(sc, k, block_n=32, kth="radix"), select_from_scores(sc, valid, k))
+                    for k in (1, 7, 64, 200))
+    print("RESULT " + json.dumps({"name": "emit_kernel", "equal": bool(sel_ok), "radix_equal": bool(sel_radix)}), flush=True)
+
+    # the radix k-th kernel alone against torch.topk's k-th value, both digit widths: ties, -inf rows
+    # (none, some, all selectable), signed zeros, subnormal and huge magnitudes, k past the row
+    from longctx.ops.indexer.two_phase import kth_scores_triton
+
+    rows = torch.randint(-3, 4, (1, 6, 257), generator=g).float()
+    rows[0, 0] = float("-inf")
+    rows[0, 1, 5:] = float("-inf")
+    rows[0, 2] = torch.where(torch.arange(257) % 2 == 0, -0.0, 0.0)
+    rows[0, 3] = torch.randn(257, generator=g) * 1e-40
+    rows[0, 4] = -torch.rand(257, generator=g) * 1e30
+    rows[0, 5] = torch.randn(257, generator=g)
+    kth_bad = []
+    for rbits in (8, 4):
+        for k in (1, 2, 100, 257, 300):
+            got = kth_scores_triton(rows, k, rbits=rbits, block_n=64)
+            ref = rows.topk(min(k, 257), dim=-1, sorted=False).values.amin(-1)
+            if not torch.equal(got, ref):
+                kth_bad.append([rbits, k, got.tolist(), ref.tolist()])
+    print("RESULT " + json.dumps({"name": "kth_radix", "bad": kth_bad}), flush=True)
 
     # the two-phase path's scores against the twin's (fp32 in both; -inf exactly where not selectable),
     # with a query offset and a column count past the pools, then its picks on the same float inputs
@@ -258,9 +285,18 @@ def test_two_phase_matches_twin_exactly(interp_results, case):
 
 
 def test_emit_kernel_matches_select_from_scores(interp_results):
-    """select_from_scores_triton == the twin's select_from_scores on tied scores with -inf anywhere."""
+    """select_from_scores_triton == the twin's select_from_scores on tied scores with -inf anywhere,
+    with the k-th score from torch.topk and from the radix kernel."""
     pytest.importorskip("triton")
-    assert interp_results["emit_kernel"]["equal"], interp_results["emit_kernel"]
+    r = interp_results["emit_kernel"]
+    assert r["equal"] and r["radix_equal"], r
+
+
+def test_radix_kth_matches_topk(interp_results):
+    """_kth_score_kernel gives torch.topk's k-th value exactly: ties, -inf, signed zeros, subnormal and
+    huge scores, k past the row, 8- and 4-bit digits."""
+    pytest.importorskip("triton")
+    assert interp_results["kth_radix"]["bad"] == [], interp_results["kth_radix"]
 
 
 def test_two_phase_scores_and_float_picks(interp_results):
@@ -296,7 +332,8 @@ def test_layer_two_phase_kernel_matches_torch(interp_results):
     """KPoolIndexer.kernel = two_phase: the same picks as the torch backend, visible in last_impl; an
     unknown kernel name is a ConfigError naming the choices."""
     r = interp_results["layer_two_phase"]
-    assert r["impl"] == "indexer:triton-two-phase" and r["equal"], r
+    assert r["impl"] == "indexer:triton-two-phase" and r["impl_radix"] == "indexer:triton-two-phase-radix", r
+    assert r["equal"], r
     err = interp_results["layer_bad_kernel"]["error"]
     assert err.startswith("ConfigError") and "fused, two_phase" in err, err
 
@@ -521,6 +558,7 @@ def test_indexer_benchmark_cpu_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "indexer_cpu_smoke.json").read_text())
     assert [c["S"] for c in res["cases"]] == [48, 101] and all("ms" in c["kernel"] for c in res["cases"])
-    assert all(c["two_phase"]["rows_differ_from_kernel"] == 0 for c in res["cases"])
+    assert all(c[v]["rows_differ_from_kernel"] == 0 for c in res["cases"] for v in ("two_phase", "two_phase_radix"))
     probe = res["two_phase_probe"]
-    assert [p["S"] for p in probe] == [48, 101] and all(p["topk_ms"] > 0 and p["score_mm_ms"] > 0 for p in probe)
+    assert [p["S"] for p in probe] == [48, 101]
+    assert all(p["topk_ms"] > 0 and p["score_mm_ms"] > 0 and p["kth_radix_ms"] > 0 for p in probe)

@@ -51,7 +51,9 @@ from ..ops import indexer as indexer_ops
 
 _DEFAULT = object()
 BACKENDS = ("auto", "torch", "triton")
-INDEXER_KERNELS = ("fused", "two_phase")  # the Triton path: radix select in one kernel, or score buffer + topk
+# the Triton path: radix select in one kernel, or a score buffer + each row's k-th score by torch.topk or
+# by our radix kernel (two_phase_radix: not yet measured on the GPU)
+INDEXER_KERNELS = ("fused", "two_phase", "two_phase_radix")
 _EXPAND_ROWS = 8192  # queries per block when the kernel's pool ids are expanded into token indices
 
 
@@ -123,7 +125,7 @@ class KPoolIndexer(nn.Module):
         # triton backend scores the whole sequence in one launch.
         self.chunk: int | None = 256
         self.backend = "auto"
-        self.kernel = "two_phase"  # the Triton path: "two_phase" (score buffer + topk; 3.2x the fused at 128k) or "fused"
+        self.kernel = "two_phase"  # INDEXER_KERNELS: "two_phase" (score buffer + topk; 3.2x the fused at 128k), ...
         self.last_impl: str | None = None
 
     # ------------------------------------------------------------------ building blocks
@@ -181,7 +183,7 @@ class KPoolIndexer(nn.Module):
         n_pools = 0 if pk is None else pk.shape[1]
         out = torch.full((B, T, self.width), -1, dtype=torch.int32, device=x.device)
         if impl == "triton":
-            self.last_impl = "indexer:triton-fused" if self.kernel == "fused" else "indexer:triton-two-phase"
+            self.last_impl = "indexer:triton-" + self.kernel.replace("_", "-")
             pools = self._kernel_pools(x, q_latent, pk, n_pools, start)  # one launch for all T queries
             for s0 in range(0, T, _EXPAND_ROWS):
                 s1 = min(T, s0 + _EXPAND_ROWS)
@@ -232,8 +234,9 @@ class KPoolIndexer(nn.Module):
         B, T = x.shape[:2]
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
-        if self.kernel == "two_phase":
-            return indexer_ops.kpool_topk_two_phase(q, w, pk.to(q.dtype), self.pool, k_sel, q_offset=p0)
+        if self.kernel in ("two_phase", "two_phase_radix"):
+            return indexer_ops.kpool_topk_two_phase(q, w, pk.to(q.dtype), self.pool, k_sel, q_offset=p0,
+                                                    kth="radix" if self.kernel == "two_phase_radix" else "topk")
         return indexer_ops.select_pools(q, w, pk.to(q.dtype), self.pool, k_sel, backend="triton", chunk=None,
                                         q_offset=p0)
 

@@ -1,15 +1,16 @@
 """Two-phase k-pool indexer: a Triton kernel scores a block of queries into an fp32 buffer, then the
-pools are picked from it: torch.topk for each row's k-th score and an emit kernel (above it, then
-ties in pool order), or the twin's `select_from_scores` (select="torch").
+pools are picked from it: each row's k-th score (torch.topk, or our radix-select kernel) and an emit
+kernel (above it, then ties in pool order), or the twin's `select_from_scores` (select="torch").
 
 Why a second design beside the fused kernel (`triton_kernel.py`): the fused kernel never stores a
 score, but it recomputes every tile 1 + passes times (~5 sweeps) and each sweep runs at ~10% of the
 MMA rate (bench/NOTES.md, "indexer"): 52x the single-sweep floor at 128k. Here the tiles are scored
 once (MMA, ReLU, weighted head sum, no histogram) and written to HBM, O(chunk x pools) memory; the
-emit kernel reads the buffer twice after torch.topk's own passes. Whether that beats the fused kernel
-depends on torch.topk over the causal rows, which `bench/indexer.py --probe` measures; until then the
-layers keep the fused kernel and this path is reached only through `kpool_topk_two_phase` (the
-benchmark and the tests).
+emit kernel reads the buffer twice after the k-th score is known. Measured on the H200 (bench/NOTES.md):
+92.6 ms at 128k against the fused kernel's 293.8, the same picks on every row, so the layers run this
+path by default (`KPoolIndexer.kernel`). Half of it is torch.topk finding each row's k-th score;
+`kth="radix"` finds it with our own radix-select kernel instead (`_kth_score_kernel`: 32 / RBITS reads
+of the row, each a histogram of the next digit among the keys that still match), not yet measured.
 
 Same function as `naive.kpool_topk_torch` (ascending int32 pool ids, -1 padded, ties to the lower pool
 id); the scores are the fused kernel's tile scores (`_tile_scores`, one code path), so on inputs whose
@@ -32,6 +33,8 @@ from .triton_kernel import (
     _load_query_block,
     _tile_scores,
 )
+
+KTH_METHODS = ("topk", "radix")  # how the select finds each row's k-th score: torch.topk, or _kth_score_kernel
 
 
 @triton.jit
@@ -117,10 +120,68 @@ def _emit_from_scores_kernel(
                  mask=m_ok[:, None] & (offs_k[None, :] >= cnt[:, None]) & (offs_k[None, :] < K))
 
 
-def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, block_n: int = 256) -> torch.Tensor:
+@triton.jit
+def _kth_score_kernel(
+    SC, KTH, stride_sb, stride_ss, stride_kb, NC, K,
+    RBITS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """KTH[b, t] = the k-th largest of row t's NC scores (K = min(k, NC); -inf when fewer than K are
+    finite): torch.topk(k).values.amin() without sorting. Radix select on the order-preserving uint32
+    key of each fp32 score (-0.0 read as +0.0): pass p histograms the p-th RBITS-bit digit of the keys
+    whose higher digits equal the prefix found so far, and the digit where the count from the top
+    reaches the rank still wanted extends the prefix. 32 / RBITS reads of the row; exact."""
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    row = SC + b * stride_sb + t * stride_ss
+    NB: tl.constexpr = 1 << RBITS
+    bins = tl.arange(0, NB)
+    rank = K  # the rank still wanted among the keys that match the prefix (1 = the largest)
+    prefix = tl.zeros([], dtype=tl.uint32)
+    for p in tl.static_range(32 // RBITS):
+        shift = 32 - (p + 1) * RBITS  # a constexpr: p is one
+        hist = tl.zeros([NB], dtype=tl.int32)
+        for n0 in range(0, NC, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            ok = offs < NC
+            x = tl.load(row + offs, mask=ok, other=0.0)
+            bits = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
+            key = tl.where((bits >> 31) == 1, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+            if p > 0:
+                ok = ok & ((key >> (shift + RBITS)) == (prefix >> (shift + RBITS)))
+            hist += tl.histogram(((key >> shift) & (NB - 1)).to(tl.int32), NB, mask=ok)
+        at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys in this digit's bin or higher ones
+        d = tl.max(tl.where(at_or_above >= rank, bins, -1), 0)  # >= 0: the matching keys number >= rank
+        rank -= tl.sum(tl.where(bins > d, hist, 0), 0)
+        prefix = prefix | (d.to(tl.uint32) << shift)
+    bits = tl.where((prefix >> 31) == 1, prefix & 0x7FFFFFFF, prefix ^ 0xFFFFFFFF)
+    tl.store(KTH + b * stride_kb + t, bits.to(tl.float32, bitcast=True))
+
+
+def kth_scores_triton(score: torch.Tensor, k: int, rbits: int = 8, block_n: int = 1024) -> torch.Tensor:
+    """fp32 [B, c, n] -> fp32 [B, c]: each row's min(k, n)-th largest score, by `_kth_score_kernel`
+    (the value `score.topk(min(k, n)).values.amin(-1)` gives; -inf where fewer are finite)."""
+    if rbits not in (4, 8):
+        raise ValueError(f"kth_scores_triton: rbits={rbits}; use 4 or 8 (a divisor of 32 the histogram can hold)")
+    B, c, n = score.shape
+    kth = torch.empty(B, c, dtype=torch.float32, device=score.device)
+    if B == 0 or c == 0 or n == 0 or k == 0:
+        return kth.fill_(float("-inf"))
+    score = _last_contig(score)
+    if _interpreting():
+        _fix_interpreter_loop_bounds()
+    _kth_score_kernel[(c, B)](score, kth, score.stride(0), score.stride(1), kth.stride(0), n, min(k, n),
+                              RBITS=rbits, BLOCK_N=block_n, num_warps=4)
+    return kth
+
+
+def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, block_n: int = 256,
+                              kth: str = "topk") -> torch.Tensor:
     """fp32 [B, c, n] scores (-inf = not selectable) -> int32 [B, c, k]: `naive.select_from_scores`'
-    function (top k, ties to the lower pool id, ascending, -1 padded), with torch.topk for each row's
-    k-th score and one Triton kernel for the rest (instead of ~8 torch passes over the scores)."""
+    function (top k, ties to the lower pool id, ascending, -1 padded), with each row's k-th score from
+    torch.topk (`kth="topk"`) or `_kth_score_kernel` (`kth="radix"`) and one Triton kernel for the rest
+    (instead of ~8 torch passes over the scores)."""
+    if kth not in KTH_METHODS:
+        raise ValueError(f"select_from_scores_triton: kth={kth!r}; use one of {', '.join(KTH_METHODS)}")
     B, c, n = score.shape
     out = torch.empty(B, c, k, dtype=torch.int32, device=score.device)
     if k == 0:
@@ -128,7 +189,10 @@ def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, blo
     if n == 0 or c == 0:
         return out.fill_(-1)
     score = _last_contig(score)
-    kth = score.topk(min(k, n), dim=-1, sorted=False).values.amin(-1).contiguous()  # -inf: fewer than k selectable
+    if kth == "radix":
+        kth = kth_scores_triton(score, k)
+    else:
+        kth = score.topk(min(k, n), dim=-1, sorted=False).values.amin(-1).contiguous()  # -inf: fewer than k selectable
     if _interpreting():
         _fix_interpreter_loop_bounds()
     _emit_from_scores_kernel[(triton.cdiv(c, block_m), B)](
@@ -169,10 +233,11 @@ def kpool_scores_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool
 
 def kpool_topk_two_phase(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, k_pools: int,
                          chunk: int = 1024, q_offset: int = 0, cfg: dict | None = None,
-                         select: str = "triton") -> torch.Tensor:
+                         select: str = "triton", kth: str = "topk") -> torch.Tensor:
     """int32 [B, S, k_pools], the same function as `naive.kpool_topk_torch`: `chunk` queries are scored
     into an fp32 [B, chunk, pools they can see] buffer by the Triton kernel, then selected: `select`
-    "triton" (torch.topk for the k-th score + the emit kernel) or "torch" (`naive.select_from_scores`).
+    "triton" (the k-th score by `kth`, "topk" or "radix", + the emit kernel) or "torch"
+    (`naive.select_from_scores`).
     Extra memory: that buffer and the selection's temporaries (O(chunk x pools))."""
     _check(q, w, pk, pool, k_pools, q_offset)
     if chunk < 1:
@@ -191,7 +256,7 @@ def kpool_topk_two_phase(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, poo
             continue
         score = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg)
         if select == "triton":
-            out[:, s0:s1] = select_from_scores_triton(score, k_pools)
+            out[:, s0:s1] = select_from_scores_triton(score, k_pools, kth=kth)
         else:
             out[:, s0:s1] = select_from_scores(score, score != float("-inf"), k_pools)
     return out
