@@ -97,9 +97,12 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
     return out
 
 
+TWO_PHASE_CHUNK = 1024  # queries per score buffer of the two-phase indexer (ops/indexer/two_phase.py)
+
+
 def _fused_indexer(gpu: str, plan: MemoryPlan) -> bool:
-    """On a GPU the indexer runs our fused Triton kernel (backend auto); on the CPU, or with the
-    chunked-indexer switch off (the plain unchunked scoring), the torch twin."""
+    """On a GPU the indexer runs our Triton path (backend auto; the two-phase kernels by default); on the
+    CPU, or with the chunked-indexer switch off (the plain unchunked scoring), the torch twin."""
     return gpu not in ("cpu", "smoke") and plan.chunked_indexer
 
 
@@ -110,8 +113,11 @@ def _indexer_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, fused: bool =
     Q = S if queries is None else queries
     W = cfg.index_width()
     out = Q * W * 4 + pools * cfg.index_head_dim * 4  # the int32 selection, the pooled keys
-    if fused:  # the kernel's int32 pool ids, then token expansion in blocks of 8192 rows (int64 + mask)
-        return out + Q * (cfg.index_topk // P) * 4 + min(Q, 8192) * W * 8 * 2
+    if fused:  # the kernel's int32 pool ids, then token expansion in blocks of 8192 rows (int64 + mask),
+        # and the two-phase path's fp32 score buffer of one block of queries against the pools they see
+        # plus torch.topk's values and int64 indices (the fused kernel needs neither: this over-counts it)
+        c, k = min(Q, TWO_PHASE_CHUNK), cfg.index_topk // P
+        return out + Q * k * 4 + min(Q, 8192) * W * 8 * 2 + c * pools * 4 + c * k * (4 + 8)
     rows = min(Q, plan.indexer_chunk) if plan.chunked_indexer else Q
     # fp32 scores per head for a block of queries, the head-summed score, top-k values/indices
     return out + rows * pools * 4 * (cfg.index_heads + 2)
