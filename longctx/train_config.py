@@ -29,6 +29,8 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton")
 LOSS_IMPLS = ("auto", "torch", "liger")      # = longctx.ops.fused_loss.LOSS_IMPLS (kept here: no torch import)
 RESIDUAL_IMPLS = ("auto", "torch", "liger")  # = longctx.layers.residual.RESIDUAL_IMPLS
+INDEXER_KERNELS = ("fused", "two_phase", "two_phase_radix")  # = longctx.layers.kpool_indexer.INDEXER_KERNELS
+KDA_CONVS = ("auto", "torch", "fla")  # = longctx.layers.kda.CONV_IMPLS
 SCHEDULES = ("cosine", "linear", "constant")
 MAIN_SOURCE = "main"  # the name of data.path inside a stage's data_mix
 
@@ -93,8 +95,11 @@ class TrainConfig:
     KDA / DSA / indexer kernels; `loss_impl` the LM head + cross entropy (torch = chunked head under
     checkpoint, liger = liger-kernel's fused linear + cross entropy; see longctx.ops.fused_loss);
     `residual_impl` the mHC residual (torch, or liger-kernel's Triton mHC ops; see
-    longctx.ops.mhc_liger). "liger" needs CUDA and liger-kernel, and a run that asks for it where it
-    cannot run stops at its first step with a ConfigError; "auto" falls back to torch.
+    longctx.ops.mhc_liger); `indexer_kernel` the indexers' Triton path (two_phase: a score buffer and a
+    k-th select, the default; fused: one radix-select kernel; two_phase_radix: our own k-th select,
+    not yet measured); `kda_conv` KDA's short conv (auto = fla's causal_conv1d wherever KDA runs fla's
+    kernel). "liger" / "fla" need CUDA and the library, and a run that asks for one where it cannot
+    run stops at its first step with a ConfigError; "auto" takes torch there and warns on CUDA.
     """
 
     model: ModelConfig | None = None  # None = the preset's model
@@ -113,7 +118,9 @@ class TrainConfig:
     device: str = "auto"
     backend: str = "auto"   # auto = triton/fla kernels on CUDA, plain torch on the CPU
     loss_impl: str = "auto"      # auto | torch | liger; auto = liger on CUDA when it imports, torch otherwise
-    residual_impl: str = "auto"  # auto | torch | liger (mHC only); auto = torch for now, liger is opt-in
+    residual_impl: str = "auto"  # auto | torch | liger (mHC only); auto = liger on CUDA when it imports, torch otherwise
+    indexer_kernel: str = "two_phase"  # fused | two_phase | two_phase_radix: the indexers' Triton path (GPU only)
+    kda_conv: str = "auto"  # auto | torch | fla: KDA's short conv; auto = fla's where KDA runs fla's kernel
     memory: dict = field(default_factory=dict)  # the memory plan; validated by the memory system
     cuda_alloc: str = "expandable_segments:True"  # CUDA allocator settings (longctx.memory.allocator); "" = torch's
 
@@ -154,6 +161,8 @@ class TrainConfig:
         _choice("backend", self.backend, BACKENDS)
         _choice("loss_impl", self.loss_impl, LOSS_IMPLS)
         _choice("residual_impl", self.residual_impl, RESIDUAL_IMPLS)
+        _choice("indexer_kernel", self.indexer_kernel, INDEXER_KERNELS)
+        _choice("kda_conv", self.kda_conv, KDA_CONVS)
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             raise ConfigError(
                 f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 256 ids; "

@@ -125,7 +125,8 @@ class Trainer:
         self.eval_set = eval_windows(self.eval_tokens, eval_len, cfg.data.eval_windows, starts_only=False).tokens
         self.model = LongCtxModel(cfg.model).to(self.device)
         self.model.set_backend(cfg.backend)
-        self.model.set_impls(loss=cfg.loss_impl, residual=cfg.residual_impl)
+        self.model.set_impls(loss=cfg.loss_impl, residual=cfg.residual_impl, indexer_kernel=cfg.indexer_kernel,
+                             kda_conv=cfg.kda_conv)
         self.opt = make_optimizer(self.model, cfg, self.device)
         self.step = 0
         self.before = None

@@ -227,7 +227,7 @@ def test_conv_impl_rules():
     layer(x)
     assert layer.last_impl == "kda:torch-chunk"  # auto on the CPU: the torch conv, no suffix (nothing asked for was declined)
     layer.conv_impl = "fla"
-    with pytest.raises(ConfigError, match="conv_impl 'fla' needs CUDA tensors and fla-core.*set conv_impl to 'torch' or 'auto'"):
+    with pytest.raises(ConfigError, match="KDA conv 'fla' .* needs CUDA tensors and fla-core.*set kda_conv to 'auto' or 'torch'"):
         layer(x)
     with torch.no_grad():
         layer(x, layer.init_state(1))

@@ -83,12 +83,17 @@ TINY_RUN = ["model.vocab_size=256", "stages=[{seq_len = 64, steps = 1, lr = 1e-3
 
 
 def test_impl_settings_default_round_trip_and_print():
+    from longctx.layers.kda import CONV_IMPLS
+    from longctx.layers.kpool_indexer import INDEXER_KERNELS as model_indexer_kernels
     from longctx.layers.residual import RESIDUAL_IMPLS as model_residual_impls
     from longctx.ops.fused_loss import LOSS_IMPLS as model_loss_impls
+    from longctx.train_config import INDEXER_KERNELS, KDA_CONVS
 
     assert LOSS_IMPLS == model_loss_impls and RESIDUAL_IMPLS == model_residual_impls
+    assert INDEXER_KERNELS == model_indexer_kernels and KDA_CONVS == CONV_IMPLS
     c = load_train_config()
     assert c.loss_impl == "auto" and c.residual_impl == "auto"
+    assert c.indexer_kernel == "two_phase" and c.kda_conv == "auto"
     c = load_train_config(None, "tiny", ["model.vocab_size=256", "loss_impl=torch", "residual_impl=liger"])
     assert c.loss_impl == "torch" and c.residual_impl == "liger"
     text = c.to_toml()
@@ -99,13 +104,18 @@ def test_impl_settings_default_round_trip_and_print():
 
 
 def test_trainer_applies_impl_settings(tmp_path):
+    from longctx.layers.kda import KimiDeltaAttention
+    from longctx.layers.kpool_indexer import KPoolIndexer
     from longctx.layers.residual import MHC
     from longctx.trainer import Trainer
 
-    cfg = load_train_config(None, "tiny", [*TINY_RUN, "loss_impl=torch", "residual_impl=torch"])
+    cfg = load_train_config(None, "tiny", [*TINY_RUN, "loss_impl=torch", "residual_impl=torch", "indexer_kernel=fused",
+                                           "kda_conv=torch"])
     tr = Trainer(cfg, out_dir=str(tmp_path), quiet=True)
     mhc = [m for m in tr.model.modules() if isinstance(m, MHC)]
     assert mhc and all(m.impl == "torch" for m in mhc) and tr.model.loss_impl == "torch"
+    kinds = {type(m): m for m in tr.model.modules()}
+    assert kinds[KPoolIndexer].kernel == "fused" and kinds[KimiDeltaAttention].conv_impl == "torch"
     tr.run(stop_after=1)
     impl = next(r for r in tr.history if "impl" in r)["impl"]
     assert "loss:torch" in impl and "mhc:torch" in impl and "liger" not in impl, impl
@@ -127,6 +137,15 @@ def test_liger_on_the_cpu_is_a_clean_config_error(tmp_path, setting):
     with pytest.raises(ConfigError) as e:
         Trainer(cfg, out_dir=str(tmp_path), quiet=True).run(stop_after=1)
     assert f"{setting} 'liger' needs CUDA" in str(e.value), str(e.value)
+
+
+def test_fla_conv_on_the_cpu_is_a_clean_config_error(tmp_path):
+    from longctx.trainer import Trainer
+
+    cfg = load_train_config(None, "tiny", [*TINY_RUN, "device=cpu", "kda_conv=fla"])
+    with pytest.raises(ConfigError) as e:
+        Trainer(cfg, out_dir=str(tmp_path), quiet=True).run(stop_after=1)
+    assert "KDA conv 'fla' (setting kda_conv" in str(e.value) and "set kda_conv to 'auto' or 'torch'" in str(e.value)
 
 
 def test_liger_on_the_cpu_exits_2_from_the_cli(tmp_path):
@@ -171,6 +190,8 @@ BAD_SETS = [
     (["backend=fla"], "backend must be one of"),
     (["loss_impl=fused"], "loss_impl must be one of auto, torch, liger (got 'fused')"),
     (["residual_impl=ligr"], "residual_impl must be one of auto, torch, liger (got 'ligr'); did you mean liger"),
+    (["indexer_kernel=radix"], "indexer_kernel must be one of fused, two_phase, two_phase_radix (got 'radix')"),
+    (["kda_conv=cuda"], "kda_conv must be one of auto, torch, fla (got 'cuda')"),
     (["betas=[0.9]"], "betas"),
     (["grad_clip=-1"], "grad_clip"),
     (["data.eval_docs=-2"], "data.eval_docs"),

@@ -149,8 +149,9 @@ class KimiDeltaAttention(nn.Module):
         if self.conv_impl == "auto":
             return self._pick_backend(x) == "fla"
         if not x.is_cuda or not fla_available():
-            raise ConfigError(f"KDA conv_impl 'fla' needs CUDA tensors and fla-core 0.6.0 (tensors on {x.device}, fla "
-                              f"{'importable' if fla_available() else 'not importable'}); set conv_impl to 'torch' or 'auto'.")
+            raise ConfigError(f"KDA conv 'fla' (setting kda_conv, layer conv_impl) needs CUDA tensors and fla-core 0.6.0 "
+                              f"(tensors on {x.device}, fla {'importable' if fla_available() else 'not importable'}); "
+                              "set kda_conv to 'auto' or 'torch'.")
         return True
 
     def _pick_backend(self, x: torch.Tensor) -> str:
