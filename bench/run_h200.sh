@@ -67,6 +67,7 @@ variants)
     echo "$(date +%T) variant $v"
     timeout $(left) python bench/memory.py --out "$OUT/$d" $o --parts runs --configs all_on --seqlens 131072 \
         > "$OUT/memory_$d.log" 2>&1; tail -2 "$OUT/memory_$d.log"
+    rm -f "$OUT/$d/memory.png"  # the device tool returns a limited number of files: keep the JSON (call 12 lost two)
   done
   ;;
 kda)
