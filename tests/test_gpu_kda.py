@@ -171,3 +171,38 @@ def test_layer_fla_conv_matches_torch_conv(packed):
     assert rel_rms(y_f, y_t) <= LAYER_TOL and rel_rms(gx_f, gx_t) <= LAYER_TOL
     for n in g_t:
         assert rel_rms(g_f[n], g_t[n]) <= LAYER_TOL, n
+
+
+@pytest.mark.parametrize("T", [1, 2, 777])
+def test_fla_conv_with_a_window_matches_torch_conv(T):
+    """conv_impl fla with a state (decoding; the sequence-chunked step's carries): the window goes into
+    fla's conv as its initial state and the new one comes back as its final state. Against the torch
+    conv with the same window: the output (op tolerance), the new window (the same inputs, exactly),
+    and the gradients of x, the conv weights and the old window, with a loss on the output and on
+    the new window (as the chunked step's backward sends one); T shorter than the window too."""
+    from longctx.config import preset
+    from longctx.layers.kda import KDAState, KimiDeltaAttention
+
+    torch.manual_seed(T)
+    layer = KimiDeltaAttention(preset("small"), 0).cuda()
+    C, W = 3 * layer.num_heads * layer.head_dim, layer.conv_size
+    xc = torch.randn(2, T, C, device="cuda", dtype=torch.bfloat16)
+    win = torch.randn(2, C, W - 1, device="cuda").bfloat16().float()  # the torch path keeps bf16 inputs in fp32
+    convs = (layer.q_conv.weight, layer.k_conv.weight, layer.v_conv.weight)
+    wy = torch.linspace(-1, 1, C, device="cuda")
+    ww = torch.randn(2, C, W - 1, device="cuda")
+    runs = {}
+    for use_fla in (False, True):
+        layer.zero_grad(set_to_none=True)
+        xi, w0 = xc.clone().requires_grad_(True), win.clone().requires_grad_(True)
+        st = KDAState(conv=w0, recurrent=torch.zeros(1, device="cuda"))
+        y = layer._short_conv(xi, st, None, conv_fla=use_fla)
+        ((y.float() * wy).square().mean() + (st.conv.float() * ww).sum() * 1e-3).backward()
+        runs[use_fla] = (y.detach().float(), st.conv.detach().float(), xi.grad.float(), w0.grad.float(),
+                         [p.grad.clone() for p in convs])
+    (y_t, n_t, gx_t, gw0_t, gp_t), (y_f, n_f, gx_f, gw0_f, gp_f) = runs[False], runs[True]
+    assert rel_rms(y_f, y_t) <= OUT_TOL
+    assert torch.equal(n_f, n_t)
+    assert rel_rms(gx_f, gx_t) <= GRAD_TOL and rel_rms(gw0_f, gw0_t) <= GRAD_TOL
+    for a, b in zip(gp_f, gp_t):
+        assert rel_rms(a, b) <= GRAD_TOL

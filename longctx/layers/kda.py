@@ -119,8 +119,12 @@ class KimiDeltaAttention(nn.Module):
         _, T, C = x.shape
         W = self.conv_size
         weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight], 0)  # [C, 1, W]
-        if conv_fla:
+        if conv_fla and state is None:
             return fla_causal_conv1d(x, weight[:, 0, :], cu_seqlens=cu_seqlens)
+        if conv_fla:  # the window goes in as fla's initial state and the new one comes back as its final state
+            y, window = fla_causal_conv1d(x, weight[:, 0, :], window=state.conv)
+            state.conv = window.to(state.conv.dtype)
+            return y
         xt = x.transpose(1, 2).to(weight.dtype)  # [B, C, T]
         if state is not None:
             xt = torch.cat([state.conv.to(weight.dtype), xt], -1)
@@ -138,16 +142,17 @@ class KimiDeltaAttention(nn.Module):
         return F.silu(y).transpose(1, 2).to(x.dtype)
 
     def _conv_uses_fla(self, x: torch.Tensor, state: KDAState | None) -> bool:
-        """Training and whole prefill (no decoding state) take fla's conv under "fla", and under "auto"
-        whenever the layer's KDA kernel is fla's; a decoding step with a state keeps the torch conv (it
-        carries the window). `last_impl` ends in "+fla-conv" when fla's conv ran, "+torch-conv" when
-        fla's conv was asked for (or auto with fla's kernel) and a state kept the torch one."""
+        """"auto": fla's conv for training and whole prefill (no state) whenever the layer's KDA kernel is
+        fla's; with a state (decoding, the sequence-chunked step's carries) the torch conv, which carries
+        the window ("+torch-conv" in `last_impl`). "fla": fla's conv everywhere, a state's window going
+        in as fla's initial state and out as its final state (that path is not yet measured on the GPU,
+        so "auto" does not take it). `last_impl` ends in "+fla-conv" whenever fla's conv ran."""
         if self.conv_impl not in CONV_IMPLS:
             raise ConfigError(f"KDA conv_impl must be one of {', '.join(CONV_IMPLS)} (got {self.conv_impl!r}).")
-        if self.conv_impl == "torch" or state is not None:
+        if self.conv_impl == "torch":
             return False
         if self.conv_impl == "auto":
-            return self._pick_backend(x) == "fla"
+            return state is None and self._pick_backend(x) == "fla"
         if not x.is_cuda or not fla_available():
             raise ConfigError(f"KDA conv 'fla' (setting kda_conv, layer conv_impl) needs CUDA tensors and fla-core 0.6.0 "
                               f"(tensors on {x.device}, fla {'importable' if fla_available() else 'not importable'}); "
@@ -212,8 +217,8 @@ class KimiDeltaAttention(nn.Module):
             state.recurrent = final.to(state.recurrent.dtype)
         if conv_fla:
             self.last_impl += "+fla-conv"
-        elif self.conv_impl == "fla" or (self.conv_impl == "auto" and self.last_impl.startswith("kda:fla")):
-            self.last_impl += "+torch-conv"  # a state (decoding, sequence chunks) kept the torch conv: say so
+        elif self.conv_impl == "auto" and self.last_impl.startswith("kda:fla"):
+            self.last_impl += "+torch-conv"  # auto with a state (decoding, sequence chunks): the torch conv, said
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)
         o = self.o_norm(o.to(x.dtype), gate)

@@ -92,14 +92,29 @@ def fla_recurrent_kda(
     )
 
 
-def fla_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+def fla_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                      window: torch.Tensor | None = None):
     """SiLU(depthwise causal conv) of x [B, T, C] with weight [C, W] through fla's Triton kernel: the same
     function as KimiDeltaAttention._short_conv's torch path (weight[:, W-1] multiplies the current token,
-    taps never cross a cu_seqlens boundary), in x's layout and dtype (no transposes or fp32 copies)."""
+    taps never cross a cu_seqlens boundary), in x's layout and dtype (no transposes or fp32 copies).
+
+    With `window` [B, C, W-1] (the W-1 inputs before x, oldest first; not with cu_seqlens) it returns
+    (y, the new window), both differentiable: fla's state is [B, C, W] with column W + j holding input
+    j < 0, so the window is its columns 1.. and column 0 (input -W) is never read by a width-W conv."""
     _require(x, weight)
     from fla.modules.causal_conv1d.ops import causal_conv1d
 
     if cu_seqlens is not None:
+        if window is not None:
+            raise ValueError("fla_causal_conv1d: a window continues unpacked rows; drop cu_seqlens.")
         cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.long)
-    y, _ = causal_conv1d(x, weight=weight, activation="silu", backend="triton", cu_seqlens=cu_seqlens)
-    return y
+    if window is None:
+        y, _ = causal_conv1d(x, weight=weight, activation="silu", backend="triton", cu_seqlens=cu_seqlens)
+        return y
+    W = weight.shape[-1]
+    if window.shape != (x.shape[0], x.shape[2], W - 1):
+        raise ValueError(f"fla_causal_conv1d: window {tuple(window.shape)}, expected {(x.shape[0], x.shape[2], W - 1)}")
+    init = torch.nn.functional.pad(window.to(x.dtype), (1, 0)).contiguous()
+    y, final = causal_conv1d(x, weight=weight, initial_state=init, output_final_state=True, activation="silu",
+                             backend="triton")
+    return y, final[..., 1:]
