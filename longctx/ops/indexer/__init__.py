@@ -1,17 +1,15 @@
-"""K-pool indexer selection: the plain-torch twin (`naive.py`) and, on CUDA, our fused Triton kernel
-(`two_phase.py`: a score-to-buffer kernel + torch selection, benchmarked against it, not wired in yet).
+"""K-pool indexer selection: the plain-torch twin (`naive.py`) and, on CUDA, our Triton paths: the
+two-phase one (`two_phase.py`: a score-to-buffer kernel, each row's k-th score, an emit kernel; the
+layers' default, `KPoolIndexer.kernel`) and the fused one-kernel radix select (`triton_kernel.py`).
 
 `select_pools` is the integration point for `KPoolIndexer`: it replaces the score + mask + topk of
 one block of queries and returns pool ids; token expansion and the tail stay in the layer.
 
 Wired into `KPoolIndexer` (longctx/layers/kpool_indexer.py) behind its `backend` switch
-(auto | torch | triton; auto = this kernel on CUDA): `KPoolIndexer._kernel_pools` calls
-
-    q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)          # unscaled, model dtype
-    w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
-    pools = select_pools(q, w, pk.to(q.dtype), P, k_sel, backend="triton", chunk=None, q_offset=p0)
-
-once for all T queries, and `_select_block` expands the pools (`pools >= 0`) into tokens + tail.
+(auto | torch | triton; auto = the Triton path on CUDA): `KPoolIndexer._kernel_pools` computes the
+unscaled q and the scaled head weights w once for all T queries, then calls `kpool_topk_two_phase`
+(kernel two_phase / two_phase_radix) or `select_pools(..., backend="triton")` (kernel fused), and
+`_select_block` expands the pools (`pools >= 0`) into tokens + tail.
 
 Ties: `select_pools` gives them to the lower pool id; `torch.topk` (and so transformers' indexer)
 may not, so the transformers-equivalence tests run the torch path (the CPU default), and
