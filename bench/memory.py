@@ -649,14 +649,15 @@ SECTIONS = ("baseline_max_context", "host_memory_with_offload", "offload_pinned_
 
 
 def _call_number(name: str) -> str | None:
-    """The call a results file came from: its leading number (memory_runs/8_offload_256k.json -> "8")."""
-    m = re.match(r"(\d+)_", name)
-    return m.group(1) if m else None
+    """The call a results file came from: its leading number, and a one-letter part of that call if the
+    name has one (memory_runs/8_offload_256k.json -> "8", 12_b_two_phase_128k.json -> "12b")."""
+    m = re.match(r"(\d+)_(?:([a-z])_)?", name)
+    return m.group(1) + (m.group(2) or "") if m else None
 
 
 def _call_order(p: Path):
     n = _call_number(p.name)
-    return (int(n) if n else -1, p.name)  # 10_* after 9_*, not after 1_*
+    return (int(n.rstrip("abcdefghijklmnopqrstuvwxyz")) if n else -1, p.name)  # 10_* after 9_*, not after 1_*
 
 
 def merge(paths) -> dict:

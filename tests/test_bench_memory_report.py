@@ -113,3 +113,15 @@ def test_report_merges_later_file_wins(tmp_path, capsys):
     assert "median 2.00 s" in md
     assert "Max context, all_on / baseline: 32,768 / 8,192 = 4x" in md
     assert (out / "memory.png").stat().st_size > 1000
+
+
+def test_call_labels_and_order():
+    """A results file's call is its leading number plus an optional one-letter part of that call; files
+    are taken in call order (10 after 9, 12_a before 12_b), whatever order they are named in."""
+    bench = _bench()
+    assert bench._call_number("8_offload_256k.json") == "8"
+    assert bench._call_number("12_b_two_phase_128k.json") == "12b"
+    assert bench._call_number("12_all_on.json") == "12" and bench._call_number("memory.json") is None
+    names = ["12_b_x.json", "10_y.json", "9_z.json", "12_a_w.json", "1_v.json"]
+    assert [p.name for p in sorted(map(Path, names), key=bench._call_order)] == [
+        "1_v.json", "9_z.json", "10_y.json", "12_a_w.json", "12_b_x.json"]
