@@ -215,9 +215,9 @@ class LongCtxModel(nn.Module):
     def set_impls(self, loss: str | None = None, residual: str | None = None, indexer_kernel: str | None = None,
                   kda_conv: str | None = None):
         """auto | torch | liger for the LM head + loss (`loss_impl`, longctx.ops.fused_loss) and for every
-        mHC residual (`MHC.impl`, longctx.ops.mhc_liger); fused | two_phase for the indexers' Triton path
-        (`KPoolIndexer.kernel`; two_phase is being benchmarked, bench/NOTES.md); torch | fla for the KDA
-        short conv (`KimiDeltaAttention.conv_impl`, opt-in until measured). None leaves a switch as it is.
+        mHC residual (`MHC.impl`, longctx.ops.mhc_liger); INDEXER_KERNELS for the indexers' Triton path
+        (`KPoolIndexer.kernel`, two_phase by default); auto | torch | fla for the KDA short conv
+        (`KimiDeltaAttention.conv_impl`, auto by default). None leaves a switch as it is.
         Whether liger or fla can run is checked at the first forward (a ConfigError there)."""
         from .errors import ConfigError
         from .layers.kda import CONV_IMPLS

@@ -81,7 +81,7 @@ class KimiDeltaAttention(nn.Module):
             p._no_weight_decay = True
 
         self.backend = "auto"
-        self.conv_impl = "auto"  # "auto" | "torch" | "fla": auto = fla's conv whenever the chunk kernel is fla's (1.12x a 128k step)
+        self.conv_impl = "auto"  # "auto" | "torch" | "fla": auto = fla's conv where the chunk kernel is fla's (128k step 5.93 -> 5.45 s)
         self.last_impl: str | None = None
         self.reset_gate_parameters()
 
@@ -119,9 +119,10 @@ class KimiDeltaAttention(nn.Module):
         _, T, C = x.shape
         W = self.conv_size
         weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight], 0)  # [C, 1, W]
-        if conv_fla and state is None:
-            return fla_causal_conv1d(x, weight[:, 0, :], cu_seqlens=cu_seqlens)
-        if conv_fla:  # the window goes in as fla's initial state and the new one comes back as its final state
+        if conv_fla:
+            if state is None:
+                return fla_causal_conv1d(x, weight[:, 0, :], cu_seqlens=cu_seqlens)
+            # the window goes in as fla's initial state and the new one comes back as its final state
             y, window = fla_causal_conv1d(x, weight[:, 0, :], window=state.conv)
             state.conv = window.to(state.conv.dtype)
             return y
@@ -141,18 +142,19 @@ class KimiDeltaAttention(nn.Module):
                 y = y + F.pad(xt, (i, 0))[..., :T] * weight[:, :, W - 1 - i] * (pos >= i)
         return F.silu(y).transpose(1, 2).to(x.dtype)
 
-    def _conv_uses_fla(self, x: torch.Tensor, state: KDAState | None) -> bool:
+    def _conv_uses_fla(self, x: torch.Tensor, state: KDAState | None, backend: str) -> bool:
         """"auto": fla's conv for training and whole prefill (no state) whenever the layer's KDA kernel is
         fla's; with a state (decoding, the sequence-chunked step's carries) the torch conv, which carries
         the window ("+torch-conv" in `last_impl`). "fla": fla's conv everywhere, a state's window going
         in as fla's initial state and out as its final state (that path is not yet measured on the GPU,
-        so "auto" does not take it). `last_impl` ends in "+fla-conv" whenever fla's conv ran."""
+        so "auto" does not take it). `last_impl` ends in "+fla-conv" whenever fla's conv ran.
+        `backend`: what `_pick_backend` chose for this call."""
         if self.conv_impl not in CONV_IMPLS:
             raise ConfigError(f"KDA conv_impl must be one of {', '.join(CONV_IMPLS)} (got {self.conv_impl!r}).")
         if self.conv_impl == "torch":
             return False
         if self.conv_impl == "auto":
-            return state is None and self._pick_backend(x) == "fla"
+            return state is None and backend == "fla"
         if not x.is_cuda or not fla_available():
             raise ConfigError(f"KDA conv 'fla' (setting kda_conv, layer conv_impl) needs CUDA tensors and fla-core 0.6.0 "
                               f"(tensors on {x.device}, fla {'importable' if fla_available() else 'not importable'}); "
@@ -185,7 +187,8 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         if state is not None and cu_seqlens is not None:
             raise ValueError("KimiDeltaAttention: decoding with a KDAState takes unpacked rows; drop cu_seqlens.")
-        conv_fla = self._conv_uses_fla(x, state)
+        backend = self._pick_backend(x)
+        conv_fla = self._conv_uses_fla(x, state, backend)
         qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state, cu_seqlens,
                                conv_fla)
         q, k, v = (t.view(B, T, H, K) for t in qkv.split(H * K, -1))
@@ -194,7 +197,7 @@ class KimiDeltaAttention(nn.Module):
         initial = state.recurrent if state is not None else None
         want_final = state is not None
 
-        if self._pick_backend(x) == "fla":
+        if backend == "fla":
             kw = {"A_log": self.A_log, "dt_bias": self.dt_bias, "lower_bound": self.lower_bound, "scale": self.scale,
                   "initial_state": initial, "output_final_state": want_final}
             if state is not None and T == 1:
@@ -217,7 +220,7 @@ class KimiDeltaAttention(nn.Module):
             state.recurrent = final.to(state.recurrent.dtype)
         if conv_fla:
             self.last_impl += "+fla-conv"
-        elif self.conv_impl == "auto" and self.last_impl.startswith("kda:fla"):
+        elif self.conv_impl == "auto" and backend == "fla":
             self.last_impl += "+torch-conv"  # auto with a state (decoding, sequence chunks): the torch conv, said
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)

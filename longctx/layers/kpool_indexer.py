@@ -17,9 +17,10 @@ O(S x S/P) scores), which auto then runs in torch on CUDA too (`last_impl` says
 "indexer:torch-unchunked"). A CUDA run that cannot import the
 kernel says so once (RuntimeWarning) and runs torch; "triton" on CPU tensors without
 TRITON_INTERPRET=1 is a ConfigError, never a silent fallback. `last_impl` names what ran.
-`kernel` picks the Triton path: "fused" (the default) or "two_phase" (`ops/indexer/two_phase.py`, a
-score kernel into an O(T x pools) fp32 buffer per 1024 queries + topk + an emit kernel; the same
-picks, being benchmarked against the fused kernel: bench/NOTES.md).
+`kernel` picks the Triton path (INDEXER_KERNELS): "two_phase" (the default; `ops/indexer/two_phase.py`, a
+score kernel into an O(T x pools) fp32 buffer per 1024 queries + topk + an emit kernel: the fused
+kernel's picks at 3.2x its speed at 128k, bench/NOTES.md), "fused" (one radix-select kernel), or
+"two_phase_radix" (our own k-th select in place of topk; not yet measured on the GPU).
 
 Both backends select the same pools, except where scores tie at a query's k-th score:
 - torch: ties are resolved by torch.topk itself, fed the same fp32 row the reference builds: one
