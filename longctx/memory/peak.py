@@ -134,29 +134,23 @@ def timeline(model, read=None, depth: int = 2):
         a, m = read()
         marks.append((label, a, m))
 
-    def on_grad(label):
-        def hook(g):
-            mark(label)
-        return hook
+    def mark_grad_of_first(tensors, label):
+        """Mark `label` when the gradient of the first of `tensors` that takes one is computed."""
+        if torch.is_grad_enabled():
+            t = next((t for t in _tensors(tensors) if t.requires_grad), None)
+            if t is not None:
+                t.register_hook(lambda g: mark(label))
 
     def pre(name):
         def hook(mod, args, kwargs):
             mark(f"{_phase()} start {name}")
-            if torch.is_grad_enabled():
-                for t in _tensors((args, kwargs)):
-                    if t.requires_grad:
-                        t.register_hook(on_grad(f"bwd end {name}"))
-                        break
+            mark_grad_of_first((args, kwargs), f"bwd end {name}")
         return hook
 
     def post(name):
         def hook(mod, args, kwargs, out):
             mark(f"{_phase()} end {name}")
-            if torch.is_grad_enabled():
-                for t in _tensors(out):
-                    if t.requires_grad:
-                        t.register_hook(on_grad(f"bwd start {name}"))
-                        break
+            mark_grad_of_first(out, f"bwd start {name}")
         return hook
 
     handles = []
