@@ -244,9 +244,11 @@ class Bench:
         with torch.device(self.dev.dev):
             self.model = LongCtxModel(self.cfg)
         self.model.set_backend("auto")
-        self.model.set_impls(residual=getattr(args, "residual_impl", None) or "auto",
-                             indexer_kernel=getattr(args, "indexer_kernel", None) or "two_phase",
-                             kda_conv=getattr(args, "kda_conv", None) or "auto")
+        # the implementation switches every run uses (the model's defaults unless an option names one)
+        self.impls = {"residual": getattr(args, "residual_impl", None) or "auto",
+                      "indexer_kernel": getattr(args, "indexer_kernel", None) or "two_phase",
+                      "kda_conv": getattr(args, "kda_conv", None) or "auto"}
+        self.model.set_impls(**self.impls)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.0,
                                      fused=self.dev.dev.type == "cuda")
         self.out = Path(args.out)
@@ -276,9 +278,8 @@ class Bench:
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "preset": "tiny" if self.args.cpu_smoke else "h200-ref", "params": n,
                 "autocast": str(self.dtype).replace("torch.", ""), "peak_tflops": PEAK_FLOPS / 1e12,
-                "residual_impl": getattr(self.args, "residual_impl", None) or "auto",
-                "indexer_kernel": getattr(self.args, "indexer_kernel", None) or "two_phase",
-                "kda_conv": getattr(self.args, "kda_conv", None) or "auto",
+                "residual_impl": self.impls["residual"], "indexer_kernel": self.impls["indexer_kernel"],
+                "kda_conv": self.impls["kda_conv"],
                 "cuda_alloc": self.cuda_alloc, "model": self.cfg.to_dict()}
 
     def save(self):
