@@ -11,6 +11,7 @@ which lives here because it *is* the head.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -211,6 +212,26 @@ class LongCtxModel(nn.Module):
                 m.backend = backend
             if isinstance(m, SparseMLA) and m.indexer is not None:
                 m.indexer.backend = "triton" if backend == "fla" else backend
+
+    @contextlib.contextmanager
+    def plain_torch(self):
+        """Every switch on its plain-torch path inside the block (KDA, its conv, DSA attention, the
+        indexers, mHC, the LM head + loss), restored after: the fp32 references of the GPU tests.
+        `set_backend("torch")` alone leaves mHC on liger and the conv on fla where they are `auto`."""
+        from .layers.residual import MHC
+
+        kept = [(m, a, getattr(m, a)) for m in self.modules() for a in ("backend", "conv_impl")
+                if isinstance(m, (KimiDeltaAttention, SparseMLA)) and hasattr(m, a)]
+        kept += [(m.indexer, "backend", m.indexer.backend) for m in self.modules()
+                 if isinstance(m, SparseMLA) and m.indexer is not None]
+        kept += [(m, "impl", m.impl) for m in self.modules() if isinstance(m, MHC)] + [(self, "loss_impl", self.loss_impl)]
+        try:
+            self.set_backend("torch")
+            self.set_impls(loss="torch", residual="torch", kda_conv="torch")
+            yield self
+        finally:
+            for m, a, v in kept:
+                setattr(m, a, v)
 
     def set_impls(self, loss: str | None = None, residual: str | None = None, indexer_kernel: str | None = None,
                   kda_conv: str | None = None):

@@ -116,11 +116,8 @@ def training_vs_fp32(model, ids, N, device):
             h = model.hidden(ids)[:, S - N - 1 : S - 1]
             lp = torch.log_softmax(model.lm_head(h).float(), -1).gather(-1, ids[:, S - N :, None])
         replay()
-        model.set_backend("torch")
-        try:
+        with model.plain_torch():
             h32 = model.hidden(ids)[:, S - N - 1 : S - 1]
-        finally:
-            model.set_backend("auto")
         lp32 = torch.log_softmax(model.lm_head(h32).float(), -1).gather(-1, ids[:, S - N :, None])
     rel = ((h.float() - h32).pow(2).mean() / h32.pow(2).mean()).sqrt().item()
     return (lp - lp32).abs().mean().item(), rel

@@ -89,15 +89,9 @@ def compare_chunked_with_whole(model, S: int, C: int, seed: int = 0) -> dict:
     free_total, vs_whole = _rel_rms(flat(free), flat(whole)), _rel_rms(flat(ch), flat(whole))
     del free
 
-    model.zero_grad(set_to_none=True)  # the fp32 reference: torch paths, routing replayed
-    model.set_backend("torch")
-    loss_impl, model.loss_impl = model.loss_impl, "torch"
-    try:
-        with routing_tape(tape):
-            model(x, labels=y, return_logits=False).loss.backward()
-    finally:
-        model.set_backend("auto")
-        model.loss_impl = loss_impl
+    model.zero_grad(set_to_none=True)  # the fp32 reference: plain-torch paths (mHC included), routing replayed
+    with model.plain_torch(), routing_tape(tape):
+        model(x, labels=y, return_logits=False).loss.backward()
     f32 = grads()
     model.zero_grad(set_to_none=True)
     e_ch = {n: _rel_rms(ch[n], f32[n]) for n in f32}

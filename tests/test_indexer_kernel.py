@@ -562,3 +562,30 @@ def test_indexer_benchmark_cpu_smoke(tmp_path):
     probe = res["two_phase_probe"]
     assert [p["S"] for p in probe] == [48, 101]
     assert all(p["topk_ms"] > 0 and p["score_mm_ms"] > 0 and p["kth_radix_ms"] > 0 for p in probe)
+
+
+def test_model_plain_torch_sets_every_switch_and_restores_it():
+    """The GPU tests' fp32 references run inside `plain_torch()`: set_backend("torch") alone left mHC on
+    liger (auto) and the KDA conv on auto, so those references ran liger's TF32 projection."""
+    from longctx.config import preset
+    from longctx.layers.kda import KimiDeltaAttention
+    from longctx.layers.residual import MHC
+    from longctx.model import LongCtxModel
+
+    model = LongCtxModel(preset("tiny"))
+    model.set_impls(residual="liger", kda_conv="fla", loss="liger")
+    model.set_backend("triton")
+    switches = lambda: sorted((type(m).__name__, a, getattr(m, a)) for m in model.modules()  # noqa: E731
+                              for a in ("backend", "conv_impl", "impl") if hasattr(m, a)) + [model.loss_impl]
+    before = switches()
+    with model.plain_torch():
+        mhcs = [m for m in model.modules() if isinstance(m, MHC)]
+        kdas = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+        assert mhcs and kdas and {m.impl for m in mhcs} == {"torch"} and {m.conv_impl for m in kdas} == {"torch"}
+        assert {v for _, a, v in switches()[:-1] if a == "backend"} == {"torch"} and model.loss_impl == "torch"
+        model(torch.randint(0, 97, (1, 21)))
+        assert "mhc:torch" in model.impl_report() and "indexer:torch-chunked" in model.impl_report()
+    assert switches() == before
+    with pytest.raises(RuntimeError), model.plain_torch():
+        raise RuntimeError("restored on error too")
+    assert switches() == before
