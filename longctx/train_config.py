@@ -97,8 +97,8 @@ class TrainConfig:
     `residual_impl` the mHC residual (torch, or liger-kernel's Triton mHC ops; see
     longctx.ops.mhc_liger); `indexer_kernel` the indexers' Triton path (two_phase: a score buffer and a
     k-th select, the default; fused: one radix-select kernel; two_phase_radix: our own k-th select,
-    not yet measured); `kda_conv` KDA's short conv (auto = fla's causal_conv1d wherever KDA runs fla's
-    kernel). "liger" / "fla" need CUDA and the library, and a run that asks for one where it cannot
+    no faster than torch.topk on the H200); `kda_conv` KDA's short conv (auto = fla's causal_conv1d
+    wherever KDA runs fla's kernel, a decoding or sequence-chunk state's window included). "liger" / "fla" need CUDA and the library, and a run that asks for one where it cannot
     run stops at its first step with a ConfigError; "auto" takes torch there and warns on CUDA.
     """
 

@@ -118,7 +118,7 @@ def test_layer_auto_picks_fla_and_matches_torch():
     with torch.no_grad():  # decoding: prefill, then a step through fused_recurrent_kda
         st = layer.init_state(2, x.device, x.dtype)
         parts = [layer(x[:, :300], st), layer(x[:, 300:301], st)]
-        assert layer.last_impl == "kda:fla-recurrent+torch-conv"  # the state carries the conv window
+        assert layer.last_impl == "kda:fla-recurrent+fla-conv"  # the state's window through fla's conv
         parts.append(layer(x[:, 301:], st))
     assert rel_rms(torch.cat(parts, 1), y_ref) <= LAYER_TOL
 

@@ -143,18 +143,20 @@ class KimiDeltaAttention(nn.Module):
         return F.silu(y).transpose(1, 2).to(x.dtype)
 
     def _conv_uses_fla(self, x: torch.Tensor, state: KDAState | None, backend: str) -> bool:
-        """"auto": fla's conv for training and whole prefill (no state) whenever the layer's KDA kernel is
-        fla's; with a state (decoding, the sequence-chunked step's carries) the torch conv, which carries
-        the window ("+torch-conv" in `last_impl`). "fla": fla's conv everywhere, a state's window going
-        in as fla's initial state and out as its final state (that path is not yet measured on the GPU,
-        so "auto" does not take it). `last_impl` ends in "+fla-conv" whenever fla's conv ran.
+        """"auto": fla's conv wherever the layer's KDA kernel is fla's, with or without a state; a state's
+        window (decoding, the sequence-chunked step's carries) goes in as fla's initial state and comes
+        out as its final state. "fla": the same, and a ConfigError where fla cannot run. "torch": the
+        torch conv everywhere. auto took the torch conv under a state until the H200 showed
+        (bench/results/memory_runs/18_sequence_chunks_with_fla_conv_state.log) that the chunked step with fla's conv under its carries is as
+        exact as the whole step (all gradients 8.47e-2 vs 8.48e-2 rel-RMS from fp32; with the torch conv
+        there 9.11e-2 vs 8.49e-2). `last_impl` ends in "+fla-conv" whenever fla's conv ran.
         `backend`: what `_pick_backend` chose for this call."""
         if self.conv_impl not in CONV_IMPLS:
             raise ConfigError(f"KDA conv_impl must be one of {', '.join(CONV_IMPLS)} (got {self.conv_impl!r}).")
         if self.conv_impl == "torch":
             return False
         if self.conv_impl == "auto":
-            return state is None and backend == "fla"
+            return backend == "fla"
         if not x.is_cuda or not fla_available():
             raise ConfigError(f"KDA conv 'fla' (setting kda_conv, layer conv_impl) needs CUDA tensors and fla-core 0.6.0 "
                               f"(tensors on {x.device}, fla {'importable' if fla_available() else 'not importable'}); "
@@ -220,8 +222,6 @@ class KimiDeltaAttention(nn.Module):
             state.recurrent = final.to(state.recurrent.dtype)
         if conv_fla:
             self.last_impl += "+fla-conv"
-        elif self.conv_impl == "auto" and backend == "fla":
-            self.last_impl += "+torch-conv"  # auto with a state (decoding, sequence chunks): the torch conv, said
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)
         o = self.o_norm(o.to(x.dtype), gate)

@@ -7,10 +7,11 @@ score, but it recomputes every tile 1 + passes times (~5 sweeps) and each sweep 
 MMA rate (bench/NOTES.md, "indexer"): 52x the single-sweep floor at 128k. Here the tiles are scored
 once (MMA, ReLU, weighted head sum, no histogram) and written to HBM, O(chunk x pools) memory; the
 emit kernel reads the buffer twice after the k-th score is known. Measured on the H200 (bench/NOTES.md):
-92.6 ms at 128k against the fused kernel's 293.8, the same picks on every row, so the layers run this
+89.3 ms at 128k against the fused kernel's 292.2, the same picks on every row, so the layers run this
 path by default (`KPoolIndexer.kernel`). Half of it is torch.topk finding each row's k-th score;
 `kth="radix"` finds it with our own radix-select kernel instead (`_kth_score_kernel`: 32 / RBITS reads
-of the row, each a histogram of the next digit among the keys that still match), not yet measured.
+of the row, each a histogram of the next digit among the keys that still match): exact on the H200,
+but no faster (44.2 ms at 128k against torch.topk's 44.8), so topk stays the default.
 
 Same function as `naive.kpool_topk_torch` (ascending int32 pool ids, -1 padded, ties to the lower pool
 id); the scores are the fused kernel's tile scores (`_tile_scores`, one code path), so on inputs whose
