@@ -39,7 +39,8 @@ run with a "note" is a valid run like any other, and a later run marked "superse
 the earlier one. Each merged run records its "source" file (and "replaces": the files it replaced).
 The header (gpu, versions, capacity, model, ...) is the last file's, "invocations" are concatenated,
 and each of baseline_max_context, host_memory_with_offload, offload_pinned_vs_pageable is the last
-file's that has it (with its "source"). Runs carrying "superseded" stay in the JSON but are left
+file's that has it (with its "source"); "peaks" (`--peak` timelines) are merged by key, a later
+file's replacing an earlier one's. Runs carrying "superseded" stay in the JSON but are left
 out of the figure and the table (listed under it with the reason). The table's estimates are
 recomputed with the current estimator (`longctx estimate`, gpu h200, bf16 activations) from each
 run's resolved plan, not the values recorded at run time; error = (estimate - peak allocated) /
@@ -98,6 +99,7 @@ CONFIGS = {
     "mhc_cast_recompute_off": lambda p: dataclasses.replace(p, mhc_cast_recompute=False),
     "moe_bf16_combine_off": lambda p: dataclasses.replace(p, moe_bf16_combine=False),
     "moe_chunk_off": lambda p: dataclasses.replace(p, moe_chunk=0),
+    "mhc_chunk_off": lambda p: dataclasses.replace(p, mhc_chunk=0),
     "loss_chunk_off": lambda p: dataclasses.replace(p, loss_chunk=0),
     "seq_chunk_off": lambda p: dataclasses.replace(p, seq_chunk="off"),
 }
@@ -117,6 +119,8 @@ def effective(plan: MemoryPlan) -> dict:
         d["indexer_chunk"] = None
     if not plan.seq_chunk_tokens():
         d["seq_chunk"] = "off"
+    if not plan.mhc_cast_recompute:  # auto's mHC is then the torch path, which has no liger calls to chunk
+        d["mhc_chunk"] = None
     return d
 
 
@@ -384,7 +388,8 @@ class Bench:
         return total
 
     def estimate(self, plan: MemoryPlan, S: int) -> dict:
-        e = est.estimate(self.cfg, S, plan, gpu=self.dev.gpu_key, act_bytes=self.act_bytes)
+        e = est.estimate(self.cfg, S, plan, gpu=self.dev.gpu_key, act_bytes=self.act_bytes,
+                         residual_impl=self.impls["residual"])
         return {"estimate_gib": e["gpu_bytes"] / GIB, "estimate_host_gib": e["host_bytes"] / GIB,
                 "estimate_fits": e["fits"]}
 
@@ -448,6 +453,7 @@ class Bench:
         where = peak_mod.locate_peak(marks)
         text = head + peak_mod.format_timeline(marks) + "\n"
         entry = {"peak_allocated_gib": r["peak_allocated_gib"], "estimate_gib": est["estimate_gib"], "plan": plan.to_dict(),
+                 "impl": r.get("impl"),
                  "peak_between": [where["after"], where["by"]],
                  "allocated_between_gib": [None if where["allocated_after"] is None else where["allocated_after"] / GIB,
                                            where["allocated_by"] / GIB if where["allocated_by"] is not None else None],
@@ -664,10 +670,11 @@ def _call_order(p: Path):
 def merge(paths) -> dict:
     """One result from several memory.json files (the rule: see the module docstring)."""
     paths = sorted((Path(p) for p in paths), key=_call_order)
-    header, invocations, runs, sections = {}, [], {}, {}
+    header, invocations, runs, sections, peaks = {}, [], {}, {}, {}
     for p in paths:
         d = json.loads(p.read_text())
-        header = {k: v for k, v in d.items() if k not in ("invocations", "runs", "merged_from", *SECTIONS)}
+        header = {k: v for k, v in d.items() if k not in ("invocations", "runs", "merged_from", "peaks", *SECTIONS)}
+        peaks.update({k: {**v, "source": p.name} for k, v in d.get("peaks", {}).items()})
         invocations += [{**inv, "source": p.name} for inv in d.get("invocations", [])]
         for r in d.get("runs", []):
             key = (r["config"], r["seq_len"])
@@ -680,7 +687,7 @@ def merge(paths) -> dict:
             if k in d:
                 sections[k] = {**d[k], "source": p.name}
     return {**header, "merged_from": [p.name for p in paths], "invocations": invocations,
-            "runs": list(runs.values()), **sections}
+            "runs": list(runs.values()), **sections, **({"peaks": peaks} if peaks else {})}
 
 
 def _estimator_version() -> str:
@@ -775,6 +782,18 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
         out += _md_table(["tokens", "status", "peak alloc GiB", "peak reserved GiB", "estimate GiB", "est. error",
                           "step s"], arows)
 
+    if res.get("peaks"):
+        out += ["", "## What is alive at the peak (`--peak`: a step with marks at every block and sub-layer)", ""]
+        prows = []
+        for key, p in sorted(res["peaks"].items()):
+            S, name = key.split(":", 1)
+            plan, residual = run_estimate_args({"plan": p["plan"], "impl": p.get("impl")})
+            e = est.estimate(cfg, int(S), plan, 1, "h200", 2, residual_impl=residual)["gpu_bytes"] / GIB
+            between = " .. ".join(f"'{m}'" for m in p.get("peak_between") or [])
+            prows.append([name, f"{int(S):,}", _f(p.get("peak_allocated_gib")), _f(e), _err(e, p.get("peak_allocated_gib")),
+                          between, call.get(p.get("source"), "?")])
+        out += _md_table(["config", "tokens", "peak alloc GiB", "estimate GiB", "est. error", "peak between", "from"], prows)
+
     h = res.get("host_memory_with_offload")
     if h:
         rss, pinned, steps = h.get("rss_gib") or [], h.get("pinned_gib") or [], h.get("step_s") or []
@@ -822,6 +841,17 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
     return "\n".join(out)
 
 
+def run_estimate_args(r: dict) -> tuple[MemoryPlan, str]:
+    """The plan and residual_impl a recorded run ran with, for the current estimator: the mHC path from the
+    run's impl record (mhc:liger / mhc:torch), and mhc_chunk 0 for runs recorded before that switch
+    existed (they ran liger's whole-sequence Functions wherever they ran liger)."""
+    d = dict(r["plan"])
+    d.setdefault("mhc_chunk", 0)
+    impl = r.get("impl") or ""
+    residual = "liger" if "mhc:liger" in impl else "torch" if "mhc:torch" in impl else "auto"
+    return MemoryPlan.from_dict(d), residual
+
+
 def report(files, out: Path) -> int:
     """--report: merge `files`, write OUT/memory.json, memory.png, memory_table.md; print the table."""
     missing = [f for f in files if not Path(f).is_file()]
@@ -830,9 +860,11 @@ def report(files, out: Path) -> int:
         return 2
     res = merge(files)
     cfg = preset("h200-ref")
-    estimates = {(r["config"], r["seq_len"]): est.estimate(cfg, r["seq_len"], MemoryPlan.from_dict(r["plan"]),
-                                                           1, "h200", 2)["gpu_bytes"] / GIB
-                 for r in res["runs"]}
+    estimates = {}
+    for r in res["runs"]:
+        plan, residual = run_estimate_args(r)
+        estimates[(r["config"], r["seq_len"])] = est.estimate(cfg, r["seq_len"], plan, 1, "h200", 2,
+                                                              residual_impl=residual)["gpu_bytes"] / GIB
     out.mkdir(parents=True, exist_ok=True)
     (out / "memory.json").write_text(json.dumps(res, indent=1) + "\n")
     figure(res, out / "memory.png", estimates)

@@ -336,7 +336,7 @@ class Trainer:
             from .memory.estimate import device_gpu_key, estimate
 
             e = estimate(self.cfg.model, stage.seq_len * stage.batch_size, plan, 1, device_gpu_key(self.device),
-                         self.dtype.itemsize)
+                         self.dtype.itemsize, residual_impl=self.cfg.residual_impl)
             self.stage_estimate_gib = e["gpu_bytes"] / 2**30
         if not self.quiet:
             self.log(f"memory plan: {plan.describe()}")

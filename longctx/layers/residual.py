@@ -17,6 +17,8 @@ per layer, so its size is the memory story: mHC's state is 4 streams wide, plain
   `impl` (residual_impl) "auto" | "torch" | "liger": liger-kernel's Triton mHC ops compute the same
   thing (longctx.ops.mhc_liger says how the two map, and where the precision differs); auto takes
   them on CUDA when liger imports and `recompute_cast` is on (the baseline plan stays plain torch).
+  `liger_chunk` (memory.mhc_chunk) runs liger's stream kernels over that many tokens at a time, so no
+  whole-sequence fp32 copy of the streams exists (longctx.ops.mhc_liger, `_ChunkedPostRes`).
 - Block Attention Residuals (Kimi, arXiv 2603.15031): state = (completed block sums, partial sum
   of the current block). Each sub-layer's input is a softmax-weighted sum of the sources, weighted
   by a zero-initialised pseudo-query against RMS-normalised sources.
@@ -59,6 +61,7 @@ class MHC(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
         self.recompute_cast = True
+        self.liger_chunk = 16384  # memory.mhc_chunk: tokens per call of liger's stream ops (0: liger's Functions)
         self.impl = "auto"  # residual_impl: "auto" | "torch" | "liger" (longctx.ops.mhc_liger)
         self.last_impl: str | None = None
 
@@ -120,7 +123,7 @@ class MHC(nn.Module):
             self.last_impl = "mhc:liger"
             pre, post, comb = mhc_liger.liger_mhc_coefficients(streams, self.fn, self.base, self.scale, iters=self.iters,
                                                                hc_eps=self.hc_eps, norm_eps=self.norm_eps)
-            return mhc_liger.liger_mhc_pre(streams, pre), (post, comb, "liger")
+            return mhc_liger.liger_mhc_pre(streams, pre, chunk=self.liger_chunk), (post, comb, "liger")
         self.last_impl = "mhc:torch"
         pre, post, comb = self.coefficients(streams)
         x = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
@@ -129,7 +132,7 @@ class MHC(nn.Module):
     def exit(self, streams: torch.Tensor, ctx, y: torch.Tensor) -> torch.Tensor:
         post, comb, impl = ctx
         if impl == "liger":
-            return mhc_liger.liger_mhc_post_res(streams, y, post, comb)
+            return mhc_liger.liger_mhc_post_res(streams, y, post, comb, chunk=self.liger_chunk)
         dt = streams.dtype
         # out[i] = post[i] * y + sum_j comb[j, i] * streams[j]
         return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)

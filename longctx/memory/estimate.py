@@ -129,6 +129,30 @@ def _moe_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, skew: float = 1.0
     return int(rows * k * skew * (D * 2 + 3 * I * 2 + D * 4) + S * cfg.n_routed_experts * 4)
 
 
+def _uses_liger_mhc(cfg: ModelConfig, plan: MemoryPlan, gpu: str, residual_impl: str) -> bool:
+    """Whether the mHC residuals run liger's kernels: residual_impl liger, or auto on a GPU with the cast
+    recompute on (layers/residual.py, MHC.pick_impl)."""
+    if cfg.residual != "mhc":
+        return False
+    return residual_impl == "liger" or (residual_impl == "auto" and gpu not in ("cpu", "smoke") and plan.mhc_cast_recompute)
+
+
+def _mhc_stream_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, residual_impl: str) -> int:
+    """Transient bytes of the backward of liger's post-res op, at the start of a block's backward
+    (beyond the incoming and outgoing stream gradients, which `state gradients` counts). liger's own
+    Function: an fp32 copy of the incoming gradient and an fp32 grad of the streams ([S, n, D] each),
+    the branch output's gradient in fp32 and bf16 ([S, D]); measured 17.27 GiB at 256k for h200-ref
+    against these 17.25 (bench/results/memory_runs/16_peak_262144_*.txt). In `mhc_chunk` tokens
+    (ops/mhc_liger.py): one chunk's fp32 buffers and the bf16 branch gradient."""
+    if not _uses_liger_mhc(cfg, plan, gpu, residual_impl):
+        return 0
+    n, D = cfg.hc_streams, cfg.hidden_size
+    if plan.mhc_chunk:
+        c = min(S, plan.mhc_chunk)
+        return c * (n * D * 4 + D * 4) + S * D * 2
+    return S * (n * D * 8 + D * 6)
+
+
 def _loss_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan) -> int:
     rows = min(S, plan.loss_chunk) if plan.loss_chunk else S
     return rows * cfg.vocab_size * (2 + 4 + 4) + S * cfg.hidden_size * 2 * 2
@@ -159,7 +183,7 @@ def _kept_selections(cfg: ModelConfig, plan: MemoryPlan) -> list[bool]:
     return out
 
 
-def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: int) -> dict:
+def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: int, residual_impl: str) -> dict:
     """Sequence-chunked step (memory/sequence_chunks.py): the block-level estimate of one chunk of C
     tokens, plus what stays O(S): per DSA layer the latent rows and their fp32 gradient buffer, the
     pooled indexer keys, the selections (pinned host), and the KDA carries at each chunk start; the
@@ -168,7 +192,7 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     C = plan.seq_chunk_tokens()
     n_chunks = -(-S // C)
     inner = dataclasses.replace(plan, seq_chunk="off", offload="0", recompute="on" if plan.recompute == "on" else "off")
-    e = estimate(cfg, min(C, S), inner, 1, gpu, a, _in_chunks=True)
+    e = estimate(cfg, min(C, S), inner, 1, gpu, a, residual_impl=residual_impl, _in_chunks=True)
     kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
     L = cfg.kv_lora_rank
     kept = {}
@@ -208,9 +232,10 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
 
 
 def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200", act_bytes: int = 2,
-             _in_chunks: bool = False) -> dict:
+             residual_impl: str = "auto", _in_chunks: bool = False) -> dict:
     """The breakdown (bytes) for one step of S tokens per sequence split over `cp` GPUs.
     `act_bytes`: bytes per activation element (2 under bf16 autocast; 4 for an fp32 model).
+    `residual_impl`: the training setting (auto | torch | liger); liger's mHC adds a backward transient.
 
     The peak is the largest of the step's phases: the end of the forward (every kept tensor, the
     autocast's bf16 weight copies, the loss), and the backward of each block, last to first (the
@@ -222,7 +247,7 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
         raise ConfigError(f"--gpu {gpu!r} is unknown; choose one of {', '.join(GPUS)}.")
     S_local = -(-S // cp)
     if plan.seq_chunk_tokens() and plan.seq_chunk_tokens() < S_local:
-        return dict(_estimate_chunked(cfg, S_local, plan, gpu, act_bytes), seq_len=S, cp=cp)
+        return dict(_estimate_chunked(cfg, S_local, plan, gpu, act_bytes, residual_impl), seq_len=S, cp=cp)
     n_params = _params(cfg)
     kinds, mlps = cfg.layer_kinds(), cfg.mlp_kinds()
     L = len(kinds)
@@ -247,6 +272,7 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
         kept.append(0 if i < n_off else b)
     idx_ws = _indexer_workspace(cfg, S_local, plan, _fused_indexer(gpu, plan)) if "D" in kinds else 0
     moe_ws = _moe_workspace(cfg, S_local, plan) if "m" in mlps else 0
+    mhc_ws = _mhc_stream_workspace(cfg, S_local, plan, gpu, residual_impl)
     loss_ws = _loss_workspace(cfg, S_local, plan)
     base = {"parameters (fp32)": n_params * 4, "AdamW moments (fp32)": n_params * 8}
     bf16 = n_params * 2
@@ -262,7 +288,9 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
         grads = (n_params if _in_chunks else head + per_block_params * (L - i)) * 4
         work = {"recomputed block activations": sum(per_block[i].values()) if recompute else 0,
                 "state gradients (in flight)": 2 * state,
-                "MoE workspace": moe_ws if mlps[i] == "m" else 0,
+                # the post-res backward opens the block's backward, the MoE's comes after: the larger counts
+                "MoE workspace": moe_ws if mlps[i] == "m" and moe_ws >= mhc_ws else 0,
+                "mHC stream-op workspace (backward)": mhc_ws if mhc_ws > (moe_ws if mlps[i] == "m" else 0) else 0,
                 "indexer workspace": idx_ws if kinds[i] == "D" and recompute and not keeps_sel[i] else 0,
                 "prefetched offload block": state if i < n_off else 0}
         phases.append((f"the backward of layer {i} ({kinds[i]})", grads, bf16 if _in_chunks else 0, i + 1, work))

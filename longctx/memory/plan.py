@@ -15,6 +15,9 @@
     reuse_selection     recompute keeps the int32 selection        recompute re-runs the indexer
     router_release      no router tensors outlive the forward      probabilities/indices kept on the module
     mhc_cast_recompute  mHC's fp32 input cast redone in backward  the fp32 copy saved
+    mhc_chunk           liger's mHC stream ops over `mhc_chunk`   liger's own Functions: fp32 copies of
+                        tokens at a time (one chunk's fp32        [S, n, D] in forward and backward
+                        buffers; bit-identical results)            (17.25 GiB at 256k, h200-ref)
     moe_bf16_combine    expert outputs combined in bf16            combined in fp32
     moe_chunk           MoE over `moe_chunk` tokens at a time      all tokens at once (peak follows skew)
     loss_chunk          LM head + loss over `loss_chunk` rows      [S, vocab] logits materialised
@@ -51,6 +54,7 @@ class MemoryPlan:
     reuse_selection: bool = True
     router_release: bool = True
     mhc_cast_recompute: bool = True
+    mhc_chunk: int = 16384  # tokens per call of liger's mHC stream kernels (0 = liger's whole-sequence Functions)
     moe_bf16_combine: bool = True
     moe_chunk: int = 65536
     loss_chunk: int = 8192
@@ -62,7 +66,7 @@ class MemoryPlan:
         """What a plain implementation does: every technique off."""
         return cls(sparse_kernel=False, chunked_indexer=False, recompute="off", offload="off", pin_memory=False,
                    keep_pinned=False, reuse_selection=False, router_release=False, mhc_cast_recompute=False, moe_bf16_combine=False,
-                   moe_chunk=0, loss_chunk=0, seq_chunk="off")
+                   mhc_chunk=0, moe_chunk=0, loss_chunk=0, seq_chunk="off")
 
     @classmethod
     def from_dict(cls, d: dict | None, base: "MemoryPlan | None" = None) -> "MemoryPlan":
@@ -90,7 +94,7 @@ class MemoryPlan:
         for k in ("indexer_chunk", "attn_chunk"):
             if getattr(plan, k) < 1:
                 raise ConfigError(f"memory.{k} must be >= 1 (got {getattr(plan, k)}).")
-        for k in ("moe_chunk", "loss_chunk"):
+        for k in ("moe_chunk", "loss_chunk", "mhc_chunk"):
             if getattr(plan, k) < 0:
                 raise ConfigError(f"memory.{k} must be >= 0 (0 = off), got {getattr(plan, k)}.")
         return plan
@@ -104,7 +108,7 @@ class MemoryPlan:
     def describe(self) -> str:
         on = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is True]
         off = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is False]
-        return (f"recompute={self.recompute} offload={self.offload} seq_chunk={self.seq_chunk} moe_chunk={self.moe_chunk} "
+        return (f"recompute={self.recompute} offload={self.offload} seq_chunk={self.seq_chunk} moe_chunk={self.moe_chunk} mhc_chunk={self.mhc_chunk} "
                 f"loss_chunk={self.loss_chunk} indexer_chunk={self.indexer_chunk if self.chunked_indexer else 'off'} "
                 f"| on: {', '.join(on) or '-'} | off: {', '.join(off) or '-'}")
 
@@ -152,6 +156,7 @@ def apply_plan(model, plan: MemoryPlan):
             m.release_router_state = plan.router_release
         elif isinstance(m, MHC):
             m.recompute_cast = plan.mhc_cast_recompute
+            m.liger_chunk = plan.mhc_chunk
     model.loss_chunk = plan.loss_chunk or None
     if chunked:
         from .sequence_chunks import SequenceChunker

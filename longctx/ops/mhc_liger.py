@@ -113,20 +113,117 @@ def liger_mhc_coefficients(streams: torch.Tensor, fn: torch.Tensor, base: torch.
     )
 
 
-def liger_mhc_pre(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """sum_j pre[j] * streams[j], accumulated in fp32, in the streams' dtype: [..., D]."""
+def liger_mhc_pre(streams: torch.Tensor, pre: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """sum_j pre[j] * streams[j], accumulated in fp32, in the streams' dtype: [..., D].
+    `chunk` > 0: liger's kernels over `chunk` tokens at a time (`_ChunkedPre`), else liger's own Function."""
     _require()
+    if chunk > 0:
+        lead = streams.shape[:-2]
+        x = streams.reshape(-1, *streams.shape[-2:])
+        return _ChunkedPre.apply(x, pre.reshape(-1, pre.shape[-1]).float(), chunk).view(*lead, streams.shape[-1])
     from liger_kernel.transformers.functional import liger_mhc_pre as _pre
 
     return _pre(streams, pre)
 
 
-def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """out[i] = post[i] * y + sum_j comb[j, i] * streams[j], in the streams' dtype: [..., n, D]."""
+def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                       chunk: int = 0) -> torch.Tensor:
+    """out[i] = post[i] * y + sum_j comb[j, i] * streams[j], in the streams' dtype: [..., n, D].
+    `chunk` > 0: liger's kernels over `chunk` tokens at a time (`_ChunkedPostRes`), else liger's own Function."""
     _require()
-    from liger_kernel.transformers.functional import liger_mhc_post_res as _post_res
-
     if y.shape != streams.shape[:-2] + streams.shape[-1:]:
         raise ValueError(f"liger mHC: the sub-layer output {tuple(y.shape)} must be streams {tuple(streams.shape)} "
                          "without the stream dimension.")
+    if chunk > 0:
+        n, D = streams.shape[-2:]
+        out = _ChunkedPostRes.apply(streams.reshape(-1, n, D), y.to(streams.dtype).reshape(-1, D),
+                                    post.reshape(-1, n).float(), comb.transpose(-1, -2).reshape(-1, n, n).float(), chunk)
+        return out.view(streams.shape)
+    from liger_kernel.transformers.functional import liger_mhc_post_res as _post_res
+
     return _post_res(streams, y.to(streams.dtype), post, comb.transpose(-1, -2))
+
+
+# liger 0.8.5's autograd Functions for the two stream ops make whole-sequence fp32 tensors: the forward
+# writes an fp32 [N, n, D] (post-res) or [N, D] (pre) output and casts it; the backward copies the
+# incoming bf16 gradient to fp32 and writes fp32 input gradients, then casts them. For post-res that is
+# N x (n D x 10 + D x 6) bytes alive at the start of a block's backward, 17.25 GiB at 256k tokens for
+# h200-ref: the measured peak's excess over the estimate (bench/results/memory_runs/16_peak_262144_*.txt).
+# The Functions below call the same kernels on `chunk` tokens at a time, with an fp32 buffer of one chunk
+# cast into a bf16 output slice, and hand the kernels the bf16 gradient directly (they load it and
+# convert to fp32 themselves, exactly). Each token's values are those of liger's Functions bit for bit
+# (same kernels, same per-token arithmetic, the same fp32 -> bf16 rounding); only the atomically
+# accumulated coefficient gradients may differ in summation order, as between two runs of liger's own.
+# What stays: the bf16 outputs and gradients, the fp32 coefficient gradients ([N, n] and [N, n, n]),
+# and one chunk's fp32 buffers (chunk x n D x 4 bytes: 384 MiB at 16,384 tokens for h200-ref).
+
+
+def _spans(N: int, chunk: int):
+    return ((a, min(a + chunk, N)) for a in range(0, N, chunk))
+
+
+class _ChunkedPre(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, h_pre, chunk):  # x [N, n, D], h_pre [N, n] fp32 -> [N, D] in x's dtype
+        from liger_kernel.ops.mhc import mhc_pre_fwd
+
+        x, h_pre = x.contiguous(), h_pre.contiguous()
+        N, n, D = x.shape
+        out = torch.empty((N, D), device=x.device, dtype=x.dtype)
+        buf = torch.empty((min(N, chunk), D), device=x.device, dtype=torch.float32)
+        for a, b in _spans(N, chunk):
+            out[a:b].copy_(mhc_pre_fwd(x[a:b], h_pre[a:b], out=buf[: b - a]))
+        ctx.save_for_backward(x, h_pre)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from liger_kernel.ops.mhc import mhc_pre_bwd
+
+        x, h_pre = ctx.saved_tensors
+        N, n, D = x.shape
+        go = grad_out.contiguous()
+        gx = torch.empty_like(x)
+        gh = torch.zeros((N, n), device=x.device, dtype=torch.float32)
+        buf = torch.empty((min(N, ctx.chunk), n, D), device=x.device, dtype=torch.float32)
+        for a, b in _spans(N, ctx.chunk):
+            mhc_pre_bwd(x[a:b], h_pre[a:b], go[a:b], out_grad_x=buf[: b - a], out_grad_h=gh[a:b])
+            gx[a:b].copy_(buf[: b - a])
+        return gx, gh, None
+
+
+class _ChunkedPostRes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, f, h_post, h_res, chunk):  # x [N, n, D], f [N, D], h_post [N, n], h_res [N, n, n] (liger's layout)
+        from liger_kernel.ops.mhc import mhc_post_res_fwd
+
+        x, f, h_post, h_res = x.contiguous(), f.contiguous(), h_post.contiguous(), h_res.contiguous()
+        N, n, D = x.shape
+        out = torch.empty_like(x)
+        buf = torch.empty((min(N, chunk), n, D), device=x.device, dtype=torch.float32)
+        for a, b in _spans(N, chunk):
+            out[a:b].copy_(mhc_post_res_fwd(x[a:b], f[a:b], h_post[a:b], h_res[a:b], out=buf[: b - a]))
+        ctx.save_for_backward(x, f, h_post, h_res)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from liger_kernel.ops.mhc import mhc_post_res_bwd
+
+        x, f, h_post, h_res = ctx.saved_tensors
+        N, n, D = x.shape
+        go = grad_out.contiguous()
+        gx, gf = torch.empty_like(x), torch.empty_like(f)
+        g_post = torch.zeros((N, n), device=x.device, dtype=torch.float32)
+        g_res = torch.zeros((N, n, n), device=x.device, dtype=torch.float32)
+        c = min(N, ctx.chunk)
+        bx = torch.empty((c, n, D), device=x.device, dtype=torch.float32)
+        bf = torch.empty((c, D), device=x.device, dtype=torch.float32)
+        for a, b in _spans(N, ctx.chunk):
+            mhc_post_res_bwd(x[a:b], f[a:b], h_post[a:b], h_res[a:b], go[a:b], out_grad_x=bx[: b - a],
+                             out_grad_f=bf[: b - a], out_grad_hpost=g_post[a:b], out_grad_hres=g_res[a:b])
+            gx[a:b].copy_(bx[: b - a])
+            gf[a:b].copy_(bf[: b - a])
+        return gx, gf, g_post, g_res, None
