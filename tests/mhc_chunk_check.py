@@ -3,7 +3,7 @@
 input gradient must be equal bit for bit (same kernels, same per-token arithmetic, same rounding), and
 the fp32 coefficient gradients (atomically accumulated over D blocks) equal to summation order.
 Used by tests/test_gpu_mhc.py on CUDA and by tests/test_mhc_liger_chunked.py under the Triton
-interpreter. Run as a script: `python tests/mhc_chunk_check.py [cuda|cpu]` prints one line per case."""
+interpreter. Run as a script: `python tests/mhc_chunk_check.py [cuda|cpu]` prints a RESULT line per case."""
 
 from __future__ import annotations
 
@@ -52,9 +52,8 @@ def assert_matches(rows) -> None:
             assert exact, (chunk, name, rel)
 
 
-if __name__ == "__main__":
-    rows = compare(sys.argv[1] if len(sys.argv) > 1 else "cpu")
-    for row in rows:
-        print("ROW", *row)
-    assert_matches(rows)
-    print("OK")
+if __name__ == "__main__":  # tests/triton_interpreter.py collects the RESULT lines
+    import json
+
+    for chunk, name, exact, rel in compare(sys.argv[1] if len(sys.argv) > 1 else "cpu"):
+        print("RESULT " + json.dumps({"name": f"{chunk}:{name}", "chunk": chunk, "what": name, "exact": exact, "rel": rel}))
