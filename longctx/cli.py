@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cp", type=int, default=1)
     m.add_argument("--gpu", default="h200")
     m.add_argument("--set", action="append", metavar="SWITCH=VALUE", help="force a memory switch, e.g. offload=0")
+    m.add_argument("--residual-impl", default="auto", choices=("auto", "torch", "liger"),
+                   help="the mHC path the run will take (the training setting residual_impl; auto = liger on a GPU)")
     m.add_argument("--json", action="store_true")
     m.set_defaults(fn=_estimate)
 

@@ -194,7 +194,7 @@ class Trainer:
 
         L = self.eval_set.shape[1] - 1
         plan, _ = resolve_auto(MemoryPlan.from_dict(self.cfg.memory), self.cfg.model, L, self.device,
-                               resolve_dtype(self.cfg.dtype, self.device).itemsize)
+                               resolve_dtype(self.cfg.dtype, self.device).itemsize, self.cfg.residual_impl)
         c = plan.seq_chunk_tokens()
         return SequenceChunker(c).token_losses if 0 < c < L else None
 

@@ -510,7 +510,8 @@ def test_estimate_cli():
 @pytest.mark.parametrize("argv,needle", [
     (["--seq-len", "0"], "--seq-len"),
     (["--set", "recompte=on"], "memory.recompte"), (["--set", "offload"], "--set"),
-    (["--gpu", "tpu"], "--gpu"), (["--cp", "0"], "--cp"), (["--preset", "huge"], "preset")])
+    (["--gpu", "tpu"], "--gpu"), (["--cp", "0"], "--cp"), (["--preset", "huge"], "preset"),
+    (["--set", "mhc_chunk=-3"], "memory.mhc_chunk")])
 def test_estimate_cli_bad_input(argv, needle, capsys):
     from longctx.cli import main
 
@@ -525,6 +526,14 @@ def test_estimate_cli_json(capsys):
     rc = main(["estimate", "--preset", "tiny", "--seq-len", "4096", "--json", "--set", "recompute=on"])
     e = json.loads(capsys.readouterr().out)
     assert rc == 0 and e["fits"] and e["plan"]["recompute"] == "on" and e["seq_len"] == 4096
+
+    def peak(*argv):
+        assert main(["estimate", "--seq-len", "262144", "--json", "--set", "recompute=on", "--set", "offload=0", *argv]) == 0
+        return json.loads(capsys.readouterr().out)["gpu_bytes"]
+
+    # liger's whole-sequence mHC Functions only cost where liger runs: --residual-impl follows the training setting
+    assert peak("--set", "mhc_chunk=0", "--residual-impl", "liger") > peak("--set", "mhc_chunk=0", "--residual-impl", "torch") \
+        == peak("--residual-impl", "torch")
 
 
 # ------------------------------------------------------------------ the GPU benchmark, smoke-run on the CPU

@@ -313,7 +313,7 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
 
 
 def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200",
-              act_bytes: int = 2) -> tuple[MemoryPlan, dict]:
+              act_bytes: int = 2, residual_impl: str = "auto") -> tuple[MemoryPlan, dict]:
     """Resolve recompute/offload/seq_chunk "auto": the cheapest that fits — no recompute, else
     recompute, else recompute + offload of as few blocks as needed, else the sequence in chunks
     (the largest power-of-two chunk that fits, recompute on inside a chunk)."""
@@ -337,7 +337,7 @@ def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str 
             c //= 2
     last = None
     for c in choices:
-        e = estimate(cfg, S, c, cp, gpu, act_bytes)
+        e = estimate(cfg, S, c, cp, gpu, act_bytes, residual_impl=residual_impl)
         last = (c, e)
         if e["fits"]:
             return c, e
@@ -356,11 +356,11 @@ def device_gpu_key(device) -> str:
 
 
 def resolve_auto(plan: MemoryPlan, cfg: ModelConfig, tokens: int, device,
-                 act_bytes: int = 2) -> tuple[MemoryPlan, dict | None]:
+                 act_bytes: int = 2, residual_impl: str = "auto") -> tuple[MemoryPlan, dict | None]:
     """Resolve "auto" switches for this device; returns (plan, its estimate or None)."""
     if "auto" not in (plan.recompute, plan.offload, plan.seq_chunk):
         return plan, None
-    return auto_plan(cfg, tokens, plan, 1, device_gpu_key(device), act_bytes)
+    return auto_plan(cfg, tokens, plan, 1, device_gpu_key(device), act_bytes, residual_impl)
 
 
 def format_report(e: dict) -> str:
@@ -401,9 +401,10 @@ def main(a) -> int:
         if "=" not in s:
             raise ConfigError(f"--set {s!r} must look like SWITCH=VALUE, e.g. offload=0.")
         k, v = s.split("=", 1)
-        forced[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() and k not in ("offload",) else v)
+        is_int = v.lstrip("-").isdigit() and k not in ("offload",)
+        forced[k] = {"true": True, "false": False}.get(v.lower(), int(v) if is_int else v)
     plan = MemoryPlan.from_dict(forced)
-    plan, e = auto_plan(cfg, a.seq_len, plan, a.cp, a.gpu)
+    plan, e = auto_plan(cfg, a.seq_len, plan, a.cp, a.gpu, residual_impl=a.residual_impl)
     if a.json:
         print(json.dumps(e, indent=2))
     else:

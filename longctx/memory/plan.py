@@ -183,7 +183,8 @@ def plan_for_stage(cfg, stage, device, stage_index: int = 0) -> MemoryPlan:
     from .estimate import resolve_auto
 
     act_bytes = resolve_dtype(cfg.dtype, torch.device(device)).itemsize  # activations in the autocast dtype
-    resolved, est = resolve_auto(plan, cfg.model, stage.seq_len * stage.batch_size, device, act_bytes)
+    resolved, est = resolve_auto(plan, cfg.model, stage.seq_len * stage.batch_size, device, act_bytes,
+                                 getattr(cfg, "residual_impl", "auto"))
     if est is not None and not est["fits"]:
         raise ConfigError(
             f"stages.{stage_index}.seq_len ({stage.seq_len:,} x batch {stage.batch_size}) does not fit on this device even with "
