@@ -61,7 +61,7 @@ class MHC(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
         self.recompute_cast = True
-        self.liger_chunk = 16384  # memory.mhc_chunk: tokens per call of liger's stream ops (0: liger's Functions)
+        self.liger_chunk = mhc_liger.DEFAULT_CHUNK  # memory.mhc_chunk: tokens per call of liger's stream ops (0: liger's Functions)
         self.impl = "auto"  # residual_impl: "auto" | "torch" | "liger" (longctx.ops.mhc_liger)
         self.last_impl: str | None = None
 

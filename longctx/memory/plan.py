@@ -40,6 +40,7 @@ import torch
 
 from ..config import _check_types
 from ..errors import ConfigError, did_you_mean
+from ..ops.mhc_liger import DEFAULT_CHUNK as DEFAULT_MHC_CHUNK
 
 
 @dataclass
@@ -54,7 +55,7 @@ class MemoryPlan:
     reuse_selection: bool = True
     router_release: bool = True
     mhc_cast_recompute: bool = True
-    mhc_chunk: int = 16384  # tokens per call of liger's mHC stream kernels (0 = liger's whole-sequence Functions)
+    mhc_chunk: int = DEFAULT_MHC_CHUNK  # tokens per call of liger's mHC stream kernels (0 = liger's whole-sequence Functions)
     moe_bf16_combine: bool = True
     moe_chunk: int = 65536
     loss_chunk: int = 8192

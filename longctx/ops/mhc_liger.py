@@ -39,6 +39,7 @@ from .fused_loss import LIGER_MIN_VERSION, liger_import_error
 __all__ = ["check_mhc_args", "liger_mhc_available", "liger_mhc_coefficients", "liger_mhc_post_res", "liger_mhc_pre"]
 
 MAX_STREAMS = 16
+DEFAULT_CHUNK = 16384  # memory.mhc_chunk's default: one chunk's fp32 buffer is 384 MiB at h200-ref's 4 x 1536
 
 
 def _import_mhc_ops():
