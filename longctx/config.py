@@ -204,7 +204,7 @@ def _check_types(obj, where: str) -> None:
         if not _is_instance(val, hints[f.name]):
             raise ConfigError(
                 f"{where}.{f.name} must be {_type_name(hints[f.name])} (got {type(val).__name__} {val!r}); "
-                f"set it to a {_type_name(hints[f.name])} value."
+                f"set it to {'an' if _type_name(hints[f.name])[:1] in 'aeiou' else 'a'} {_type_name(hints[f.name])} value."
             )
 
 
