@@ -125,3 +125,33 @@ def test_call_labels_and_order():
     names = ["12_b_x.json", "10_y.json", "9_z.json", "12_a_w.json", "1_v.json"]
     assert [p.name for p in sorted(map(Path, names), key=bench._call_order)] == [
         "1_v.json", "9_z.json", "10_y.json", "12_a_w.json", "12_b_x.json"]
+
+
+def test_report_lists_peak_timelines_with_the_estimate_of_what_ran(tmp_path):
+    """`--peak` entries are merged by key (a later file's wins) and listed with the current estimator's
+    figure for the mHC path and mhc_chunk the step ran (a plan recorded before mhc_chunk existed ran
+    liger's whole-sequence Functions)."""
+    from longctx.memory.estimate import estimate
+
+    cfg, S = preset("h200-ref"), 262144
+    plan = MemoryPlan.from_dict({"recompute": "on", "offload": "0", "seq_chunk": "off"})
+    old_plan = {k: v for k, v in plan.to_dict().items() if k != "mhc_chunk"}
+    entry = lambda peak, p, impl: {"peak_allocated_gib": peak, "estimate_gib": 1.0, "plan": p, "impl": impl,  # noqa: E731
+                                   "peak_between": ["bwd start layers.11", "bwd start layers.11.mlp"],
+                                   "allocated_between_gib": [112.0, 115.0], "marks": []}
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "1_a.json").write_text(json.dumps({**_header("a"), "runs": [], "peaks": {
+        f"{S}:all_on": entry(100.0, old_plan, "mhc:liger x24"), f"{S}:torch": entry(110.0, old_plan, "mhc:torch x24")}}))
+    (runs / "2_b.json").write_text(json.dumps({**_header("b"), "runs": [], "peaks": {
+        f"{S}:all_on": entry(129.5, old_plan, "mhc:liger x24")}}))
+    out = tmp_path / "out"
+    assert _bench().main(["--report", str(runs / "1_a.json"), str(runs / "2_b.json"), "--out", str(out)]) == 0
+    md = (out / "memory_table.md").read_text()
+    G = 2**30
+    whole = estimate(cfg, S, MemoryPlan.from_dict(dict(old_plan, mhc_chunk=0)), 1, "h200", 2, residual_impl="liger")
+    torch_path = estimate(cfg, S, MemoryPlan.from_dict(dict(old_plan, mhc_chunk=0)), 1, "h200", 2, residual_impl="torch")
+    assert whole["gpu_bytes"] > torch_path["gpu_bytes"]
+    assert f"| all_on | 262,144 | 129.50 | {whole['gpu_bytes'] / G:.2f} |" in md  # the later file's entry
+    assert f"| torch | 262,144 | 110.00 | {torch_path['gpu_bytes'] / G:.2f} |" in md
+    assert "'bwd start layers.11' .. 'bwd start layers.11.mlp' | 2 |" in md
