@@ -25,6 +25,9 @@ forward and backward, within bf16 rounding (tests/test_gpu_mhc.py). The mapping 
 - n must be a power of two (tl.arange) and at most 16 (liger's register budget); iters >= 1.
   Backward keeps the Sinkhorn history, tmax * n^2 fp32 per token, and the bf16 streams; no fp32
   copy of the streams is saved, so MHC.recompute_cast has nothing to do on this path.
+- `chunk` (memory.mhc_chunk, on by default): the pre and post-res ops run liger's kernels over that many
+  tokens at a time instead of through liger's autograd Functions, whose whole-sequence fp32 copies were
+  the 256k step's peak (below, before `_spans`).
 """
 
 from __future__ import annotations
