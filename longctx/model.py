@@ -218,13 +218,8 @@ class LongCtxModel(nn.Module):
         """Every switch on its plain-torch path inside the block (KDA, its conv, DSA attention, the
         indexers, mHC, the LM head + loss), restored after: the fp32 references of the GPU tests.
         `set_backend("torch")` alone leaves mHC on liger and the conv on fla where they are `auto`."""
-        from .layers.residual import MHC
-
-        kept = [(m, a, getattr(m, a)) for m in self.modules() for a in ("backend", "conv_impl")
-                if isinstance(m, (KimiDeltaAttention, SparseMLA)) and hasattr(m, a)]
-        kept += [(m.indexer, "backend", m.indexer.backend) for m in self.modules()
-                 if isinstance(m, SparseMLA) and m.indexer is not None]
-        kept += [(m, "impl", m.impl) for m in self.modules() if isinstance(m, MHC)] + [(self, "loss_impl", self.loss_impl)]
+        kept = [(m, a, getattr(m, a)) for m in self.modules() for a in ("backend", "conv_impl", "impl", "loss_impl")
+                if hasattr(m, a)]
         try:
             self.set_backend("torch")
             self.set_impls(loss="torch", residual="torch", kda_conv="torch")

@@ -146,10 +146,6 @@ def test_chunked_stream_ops_equal_liger_functions_and_save_memory():
     (coefficient gradients to summation order), and the post-res backward no longer makes whole-sequence
     fp32 copies: at 65,536 tokens x 4 x 1536 the prediction is 3.56 GiB of transient for liger's Function
     (S x (nD x 8 + D x 6)) against ~0.66 GiB in chunks of 16,384 (estimate._mhc_stream_workspace)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from mhc_chunk_check import assert_matches, compare
 
     assert_matches(compare("cuda", B=2, S=3001, n=4, D=1536, chunks=(1000, 4096)))

@@ -40,6 +40,12 @@ RESIDUAL_IMPLS = ("auto", "torch", "liger")
 AUTO_USES_LIGER = True
 
 
+def auto_takes_liger(n_streams: int, recompute_cast: bool) -> bool:
+    """residual_impl "auto" on CUDA with liger importable: liger's mHC or not (`MHC.pick_impl`, which
+    also warns where liger is missing or the stream count unsupported; the estimator asks this)."""
+    return AUTO_USES_LIGER and recompute_cast and mhc_liger.streams_supported(n_streams)
+
+
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 

@@ -130,11 +130,15 @@ def _moe_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, skew: float = 1.0
 
 
 def _uses_liger_mhc(cfg: ModelConfig, plan: MemoryPlan, gpu: str, residual_impl: str) -> bool:
-    """Whether the mHC residuals run liger's kernels: residual_impl liger, or auto on a GPU with the cast
-    recompute on (layers/residual.py, MHC.pick_impl)."""
+    """Whether the mHC residuals run liger's kernels: residual_impl liger, or auto on a GPU by the rule
+    of `MHC.pick_impl` (layers/residual.py: `auto_takes_liger`), liger assumed installed."""
+    from ..layers import residual
+
     if cfg.residual != "mhc":
         return False
-    return residual_impl == "liger" or (residual_impl == "auto" and gpu not in ("cpu", "smoke") and plan.mhc_cast_recompute)
+    if residual_impl == "auto":
+        return gpu not in ("cpu", "smoke") and residual.auto_takes_liger(cfg.hc_streams, plan.mhc_cast_recompute)
+    return residual_impl == "liger"
 
 
 def _mhc_stream_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, residual_impl: str) -> int:
@@ -285,12 +289,13 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     phases = [("the end of the forward (loss)", grads, bf16, L, {top: fwd[top]})]
     # phase 2.., the backward of block i: recomputed activations, state gradients, workspaces
     for i in reversed(range(L)):
+        moe_i = moe_ws if mlps[i] == "m" else 0
         grads = (n_params if _in_chunks else head + per_block_params * (L - i)) * 4
         work = {"recomputed block activations": sum(per_block[i].values()) if recompute else 0,
                 "state gradients (in flight)": 2 * state,
                 # the post-res backward opens the block's backward, the MoE's comes after: the larger counts
-                "MoE workspace": moe_ws if mlps[i] == "m" and moe_ws >= mhc_ws else 0,
-                "mHC stream-op workspace (backward)": mhc_ws if mhc_ws > (moe_ws if mlps[i] == "m" else 0) else 0,
+                "MoE workspace": moe_i if moe_i >= mhc_ws else 0,
+                "mHC stream-op workspace (backward)": mhc_ws if mhc_ws > moe_i else 0,
                 "indexer workspace": idx_ws if kinds[i] == "D" and recompute and not keeps_sel[i] else 0,
                 "prefetched offload block": state if i < n_off else 0}
         phases.append((f"the backward of layer {i} ({kinds[i]})", grads, bf16 if _in_chunks else 0, i + 1, work))

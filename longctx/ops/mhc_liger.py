@@ -138,14 +138,15 @@ def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tenso
     if y.shape != streams.shape[:-2] + streams.shape[-1:]:
         raise ValueError(f"liger mHC: the sub-layer output {tuple(y.shape)} must be streams {tuple(streams.shape)} "
                          "without the stream dimension.")
+    y = y.to(streams.dtype)
     if chunk > 0:
         n, D = streams.shape[-2:]
-        out = _ChunkedPostRes.apply(streams.reshape(-1, n, D), y.to(streams.dtype).reshape(-1, D),
-                                    post.reshape(-1, n).float(), comb.transpose(-1, -2).reshape(-1, n, n).float(), chunk)
+        out = _ChunkedPostRes.apply(streams.reshape(-1, n, D), y.reshape(-1, D), post.reshape(-1, n).float(),
+                                    comb.transpose(-1, -2).reshape(-1, n, n).float(), chunk)
         return out.view(streams.shape)
     from liger_kernel.transformers.functional import liger_mhc_post_res as _post_res
 
-    return _post_res(streams, y.to(streams.dtype), post, comb.transpose(-1, -2))
+    return _post_res(streams, y, post, comb.transpose(-1, -2))
 
 
 # liger 0.8.5's autograd Functions for the two stream ops make whole-sequence fp32 tensors: the forward
