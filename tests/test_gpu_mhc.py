@@ -144,8 +144,9 @@ def test_liger_refuses_unsupported_stream_counts():
 def test_chunked_stream_ops_equal_liger_functions_and_save_memory():
     """memory.mhc_chunk: liger's kernels over token chunks give liger's Functions' results bit for bit
     (coefficient gradients to summation order), and the post-res backward no longer makes whole-sequence
-    fp32 copies: at 65,536 tokens x 4 x 1536 the prediction is 3.56 GiB of transient for liger's Function
-    (S x (nD x 8 + D x 6)) against ~0.66 GiB in chunks of 16,384 (estimate._mhc_stream_workspace)."""
+    fp32 copies. Predicted at 65,536 tokens x 4 x 1536, the bf16 input gradients included (which this
+    measures, unlike estimate._mhc_stream_workspace): ~4.3 GiB for liger's Function (S x (nD x 10 + D x 6))
+    against ~1.4 GiB in chunks of 16,384 (one chunk's fp32 buffers + the bf16 gradients). Not yet run."""
     from mhc_chunk_check import assert_matches, compare
 
     assert_matches(compare("cuda", B=2, S=3001, n=4, D=1536, chunks=(1000, 4096)))
