@@ -44,12 +44,20 @@ def compare(device: str, B: int = 2, S: int = 45, n: int = 4, D: int = 96, chunk
     return out
 
 
-def assert_matches(rows) -> None:
+def assert_matches(rows, bf16_rel: float = 0.0) -> None:
+    """bf16_rel = 0: every bf16 tensor bit for bit (as under the interpreter). On the H200 (call 20) the
+    input gradients 'd streams' and 'd y' differed from liger's Functions by 1.18e-5 / 1.19e-5 rel-RMS at
+    chunks of 1000 and 4096 alike, so not a per-chunk-length effect; our path hands the kernel the bf16
+    gradient where liger's Function hands it an fp32 copy, and the dtype and strides are constexprs: a
+    different compiled kernel, whose fp32 arithmetic may round differently (not verified further). There
+    bf16_rel bounds the rel-RMS difference."""
+    for chunk, name, exact, rel in rows:
+        print(f"chunk {chunk:>5} {name:<13} {'exact' if exact else f'rel {rel:.2e}'}")
     for chunk, name, exact, rel in rows:
         if name in ("d pre", "d post", "d comb"):  # fp32 atomics: summation order only
             assert exact or rel <= 1e-6, (chunk, name, rel)
         else:
-            assert exact, (chunk, name, rel)
+            assert exact or rel <= bf16_rel, (chunk, name, rel)
 
 
 if __name__ == "__main__":  # tests/triton_interpreter.py collects the RESULT lines

@@ -142,14 +142,17 @@ def test_liger_refuses_unsupported_stream_counts():
 
 
 def test_chunked_stream_ops_equal_liger_functions_and_save_memory():
-    """memory.mhc_chunk: liger's kernels over token chunks give liger's Functions' results bit for bit
-    (coefficient gradients to summation order), and the post-res backward no longer makes whole-sequence
+    """memory.mhc_chunk: liger's kernels over token chunks give liger's Functions' results (bit for bit
+    under the interpreter; on the GPU to fp32 rounding, see assert_matches; coefficient gradients to
+    summation order), and the post-res backward no longer makes whole-sequence
     fp32 copies. Predicted at 65,536 tokens x 4 x 1536, the bf16 input gradients included (which this
     measures, unlike estimate._mhc_stream_workspace): ~4.3 GiB for liger's Function (S x (nD x 10 + D x 6))
-    against ~1.4 GiB in chunks of 16,384 (one chunk's fp32 buffers + the bf16 gradients). Not yet run."""
+    against ~1.4 GiB in chunks of 16,384 (one chunk's fp32 buffers + the bf16 gradients); call 20 measured 4.32 vs 1.41."""
     from mhc_chunk_check import assert_matches, compare
 
-    assert_matches(compare("cuda", B=2, S=3001, n=4, D=1536, chunks=(1000, 4096)))
+    # Call 19 (2026-11-30): 'd streams' differed by 1.18e-5 rel-RMS, not bit for bit (see assert_matches);
+    # 1e-4 is 40x under bf16's relative half-ulp (3.9e-3): a few elements in 1e5 one ulp off.
+    assert_matches(compare("cuda", B=2, S=3001, n=4, D=1536, chunks=(1000, 4096)), bf16_rel=1e-4)
 
     S, n, D = 65536, 4, 1536
     x = torch.randn(1, S, n, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
