@@ -25,7 +25,7 @@ from longctx.layers.dsa import SparseMLA
 from longctx.layers.kpool_indexer import KPoolIndexer
 from longctx.layers.moe import MoE
 from longctx.layers.residual import MHC
-from longctx.memory.estimate import GPU_FIT, auto_plan, estimate
+from longctx.memory.estimate import ALLOCATOR_SLACK, GPU_FIT, auto_plan, estimate
 from longctx.memory.meter import LiveBytes, meter_model_step
 from longctx.memory.offload import Offloader
 from longctx.memory.plan import MemoryPlan, apply_plan
@@ -526,6 +526,13 @@ def test_estimate_cli_json(capsys):
     rc = main(["estimate", "--preset", "tiny", "--seq-len", "4096", "--json", "--set", "recompute=on"])
     e = json.loads(capsys.readouterr().out)
     assert rc == 0 and e["fits"] and e["plan"]["recompute"] == "on" and e["seq_len"] == 4096
+    # --phases: every phase of the step with its total, the peak marked on the largest (the GPU peak)
+    assert main(["estimate", "--preset", "h200-ref", "--seq-len", "1048576", "--phases"]) == 0
+    text = capsys.readouterr().out
+    marked = [ln for ln in text.splitlines() if ln.endswith("<- peak")]
+    gpu_peak = next(ln for ln in text.splitlines() if ln.startswith("GPU peak")).split()[-3]
+    assert len(marked) == 1 and marked[0].split()[-3] == gpu_peak, (marked, gpu_peak)
+    assert "last chunk: the backward of layer 11 (D)" in text and "the forward sweep" in text
 
     def peak(*argv):
         assert main(["estimate", "--seq-len", "262144", "--json", "--set", "recompute=on", "--set", "offload=0", *argv]) == 0
@@ -614,3 +621,47 @@ def test_estimate_counts_liger_mhc_post_res_backward():
     old = {k: v for k, v in on.to_dict().items() if k != "mhc_chunk"}
     assert run_estimate_args({"plan": old, "impl": "mhc:liger x24"}) == (off, "liger")
     assert run_estimate_args({"plan": on.to_dict(), "impl": "mhc:torch x24"}) == (on, "torch")
+
+
+def test_estimate_counts_the_autocast_cached_copies_not_the_experts():
+    """Autocast caches a bf16 copy of each weight its casts see (linear layers) until its region ends;
+    the experts are cast per call by the MoE and the embedding is indexed in fp32, so neither is
+    cached. A sequence-chunked step runs in one autocast region, so the cached copies live through it.
+    Counted here with LiveBytes after a no-grad forward (the forward sweep) under CPU autocast."""
+    cfg = preset("tiny")
+    assert "m" in cfg.mlp_kinds()
+    torch.manual_seed(0)
+    model = LongCtxModel(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, 64))
+    with torch.autocast("cpu", dtype=torch.bfloat16), LiveBytes() as live:
+        with torch.no_grad():
+            out = model(ids)
+        del out
+        cached = live.current
+    est = estimate(cfg, 64, MemoryPlan(), gpu="cpu", _chunk="earlier")["static"]["bf16 weight copies"]
+    every_weight = 2 * sum(p.numel() for p in model.parameters())
+    assert abs(est - cached) <= 0.02 * cached, (est, cached)
+    assert every_weight > 1.3 * cached  # the count it replaced (all parameters) is far off
+
+
+def test_chunked_estimate_counts_the_dsa_prefix_in_dsa_phases_and_both_chunk_cases():
+    """The backward of a DSA block holds the prefix rows, their gradient and the fp32 dkv; a KDA block's
+    does not. The last chunk (gradients created as it goes, the whole prefix) and the earlier chunks
+    (every gradient, the prefix one chunk shorter) are both phases of the estimate."""
+    cfg = preset("h200-ref")
+    kinds = cfg.layer_kinds()
+    plan = MemoryPlan.from_dict({"recompute": "on", "offload": "0", "seq_chunk": "off"})
+    X = 3 * 2**30
+    with_p = estimate(cfg, 131072, plan, gpu="h200", _chunk="earlier", _dsa_prefix=X)["phases_gpu_bytes"]
+    without = estimate(cfg, 131072, plan, gpu="h200", _chunk="earlier")["phases_gpu_bytes"]
+    for name in with_p:
+        layer_kind = name.rsplit("(", 1)[-1].rstrip(")") if "backward of layer" in name else None
+        extra = with_p[name] - without[name]
+        assert abs(extra - (X * ALLOCATOR_SLACK if layer_kind == "D" else 0)) <= 1, (name, extra)
+    assert "D" in kinds and "K" in kinds
+    chunked = MemoryPlan.from_dict({"recompute": "on", "offload": "0", "seq_chunk": "131072"})
+    e = estimate(cfg, 1048576, chunked, gpu="h200")
+    names = list(e["phases_gpu_bytes"])
+    assert any(n.startswith("last chunk: ") for n in names) and any(n.startswith("earlier chunks: ") for n in names)
+    assert "the forward sweep" in names
+    assert abs(e["gpu_bytes"] - max(e["phases_gpu_bytes"].values())) < 2**20  # the peak is the largest phase

@@ -94,6 +94,8 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
         per = D * a + D * a * k + k * 3 * I * a + k * D * (a if plan.moe_bf16_combine else 4)
         per += cfg.n_shared_experts * 3 * I * a + (0 if plan.router_release else cfg.n_routed_experts * 4 * 2)
         out["moe"] = S * per
+        # the experts' bf16 copies (cast per call, layers/moe.py), saved by the grouped matmuls
+        out["moe bf16 expert weights"] = cfg.n_routed_experts * 3 * D * I * a
     return out
 
 
@@ -192,13 +194,22 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     tokens, plus what stays O(S): per DSA layer the latent rows and their fp32 gradient buffer, the
     pooled indexer keys, the selections (pinned host), and the KDA carries at each chunk start; the
     indexer scores a chunk's queries against all S/P pools; a DSA block's backward holds the
-    concatenated prefix, its gradient and the kernel's fp32 dkv over S rows."""
+    concatenated prefix, its gradient and the kernel's fp32 dkv over the rows up to the chunk's end.
+    The backward sweep takes the last chunk first: its parameter gradients are created as it goes
+    (as in an unchunked step) while its prefix is the whole sequence; in every earlier chunk all
+    gradients exist and the prefix is at most S - C rows. Both are estimated; the larger is the peak
+    (on the H200 at 1M the earlier chunks peaked 6.4 GiB over the last one: memory_runs/21_*)."""
     C = plan.seq_chunk_tokens()
     n_chunks = -(-S // C)
     inner = dataclasses.replace(plan, seq_chunk="off", offload="0", recompute="on" if plan.recompute == "on" else "off")
-    e = estimate(cfg, min(C, S), inner, 1, gpu, a, residual_impl=residual_impl, _in_chunks=True)
     kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
     L = cfg.kv_lora_rank
+    per_row = L * (a + a + 4) if "D" in kinds else 0  # prefix rows, their gradient, the kernel's fp32 dkv
+    cases = [("last chunk", estimate(cfg, min(C, S), inner, 1, gpu, a, residual_impl=residual_impl, _chunk="last",
+                                     _dsa_prefix=S * per_row))]
+    if n_chunks > 1:
+        cases.append(("earlier chunks", estimate(cfg, C, inner, 1, gpu, a, residual_impl=residual_impl, _chunk="earlier",
+                                                 _dsa_prefix=(S - C) * per_row)))
     kept = {}
     for i, k in enumerate(kinds):
         if k == "D":
@@ -211,32 +222,41 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     n_moe = cfg.mlp_kinds().count("m")
     if n_moe:  # the forward sweep's expert choices, replayed by the backward sweep (moe.RoutingTape)
         kept["MoE routing tape (int16)"] = n_moe * S * cfg.experts_per_token * (2 if cfg.n_routed_experts <= 32767 else 4)
+    o_s = sum(kept.values())
+    phases = {f"{case}: {name}": b + int(o_s * ALLOCATOR_SLACK) for case, e in cases for name, b in e["phases_gpu_bytes"].items()}
+    case, e = max(cases, key=lambda ce: ce[1]["gpu_bytes"])
+    e = dict(e, peak_phase=f"{e['peak_phase']}, {case}")
     for name, b in e["kept_gpu"].items():
         kept[f"{name}, one chunk"] = b
     host = {f"layer {i} selection": S * cfg.index_width() * 4 for i, k in enumerate(kinds) if k == "D" and idx[i] == "f"}
     work = dict(e["working"])
-    if "D" in kinds:  # counted at every backward phase, though only a DSA block's holds it (on the safe side)
-        work["DSA prefix + grads (backward)"] = S * L * (a + a + 4)
     backward = sum(e["static"].values()) + sum(kept.values()) + sum(work.values())
-    # the forward sweep: no gradients yet, the O(S) rows, a chunk's queries scored against all S/P pools
+    # the forward sweep: no gradients yet (nor the latents' fp32 gradient buffers: the backward sweep
+    # makes them), the O(S) rows, a chunk's state in and out, and its largest transient: its queries
+    # scored against all S/P pools, or the MoE workspace
     idx_ws = _indexer_workspace(cfg, S, plan, _fused_indexer(gpu, plan), queries=C) if "D" in kinds else 0
+    moe_ws = _moe_workspace(cfg, C, plan) if n_moe else 0
+    state = C * {"mhc": cfg.hc_streams, "plain": 1, "attnres": cfg.attnres_blocks + 1}[cfg.residual] * cfg.hidden_size * a
     sweep = (e["static"]["parameters (fp32)"] + e["static"]["AdamW moments (fp32)"] + e["static"]["bf16 weight copies"]
-             + sum(v for k, v in kept.items() if "one chunk" not in k) + idx_ws)
+             + o_s - kinds.count("D") * S * L * 4 + 2 * state + max(idx_ws, moe_ws))
+    phases["the forward sweep"] = int(sweep * ALLOCATOR_SLACK)
     if sweep > backward:
-        e["peak_phase"] = "the forward sweep (indexer)"
-        work = {"indexer workspace (forward sweep)": idx_ws}
+        e["peak_phase"] = "the forward sweep"
+        work = {"a chunk's state in and out": 2 * state, **({"indexer workspace (forward sweep)": idx_ws}
+                if idx_ws >= moe_ws else {"MoE workspace (forward sweep)": moe_ws}),
+                "latents' gradient buffers (not yet made)": -kinds.count("D") * S * L * 4}
         kept = {k: v for k, v in kept.items() if "one chunk" not in k}
         e["static"] = dict(e["static"], **{"gradients alive at the peak (fp32)": 0})
     gpu_bytes = max(backward, sweep) * ALLOCATOR_SLACK
     host_bytes = sum(host.values())
     cap = GPUS[gpu]
     return dict(e, seq_len=S, plan=plan.to_dict(), kept_gpu=kept, kept_host=host, working=work, gpu_bytes=int(gpu_bytes),
-                host_bytes=int(host_bytes),
+                host_bytes=int(host_bytes), phases_gpu_bytes=phases,
                 fits=gpu_bytes <= cap["memory"] * GPU_FIT and host_bytes <= cap["host"] * HOST_FIT)
 
 
 def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200", act_bytes: int = 2,
-             residual_impl: str = "auto", _in_chunks: bool = False) -> dict:
+             residual_impl: str = "auto", _chunk: str = "", _dsa_prefix: int = 0) -> dict:
     """The breakdown (bytes) for one step of S tokens per sequence split over `cp` GPUs.
     `act_bytes`: bytes per activation element (2 under bf16 autocast; 4 for an fp32 model).
     `residual_impl`: the training setting (auto | torch | liger); liger's mHC adds a backward transient.
@@ -244,9 +264,11 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     The peak is the largest of the step's phases: the end of the forward (every kept tensor, the
     autocast's bf16 weight copies, the loss), and the backward of each block, last to first (the
     kept inputs of that block and the blocks before it; the gradients of the blocks after it and its
-    own, since they are created as backward reaches them; the block's working set). `_in_chunks`:
-    one chunk of a sequence-chunked step, where every gradient already exists (earlier chunks made
-    it) and the bf16 copies live through the whole step (it runs inside one autocast region)."""
+    own, since they are created as backward reaches them; the block's working set). `_chunk`: one
+    chunk of a sequence-chunked step, where the bf16 copies live through the whole step (it runs
+    inside one autocast region), "last" (the backward sweep's first: gradients created as it goes)
+    or "earlier" (every gradient already exists);
+    `_dsa_prefix`: the bytes a DSA block's backward holds for the sequence before the chunk."""
     if gpu not in GPUS:
         raise ConfigError(f"--gpu {gpu!r} is unknown; choose one of {', '.join(GPUS)}.")
     S_local = -(-S // cp)
@@ -279,29 +301,36 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     mhc_ws = _mhc_stream_workspace(cfg, S_local, plan, gpu, residual_impl)
     loss_ws = _loss_workspace(cfg, S_local, plan)
     base = {"parameters (fp32)": n_params * 4, "AdamW moments (fp32)": n_params * 8}
-    bf16 = n_params * 2
+    # autocast's cached bf16 copies: the weights that go through its casts (linear layers); the
+    # embedding is indexed in fp32 and the experts are cast per call by the MoE (layers/moe.py): their
+    # copies are a block's saved activations (_block_activation_bytes), not cached
+    n_experts = mlps.count("m") * cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    bf16 = (n_params - n_experts - cfg.vocab_size * cfg.hidden_size) * 2
 
     # phase 1, the end of the forward: everything kept, the weight copies, the loss (the largest
     # transient of the forward: loss, indexer or MoE workspace)
-    grads = (n_params if _in_chunks else head) * 4
+    all_grads, in_chunks = _chunk == "earlier", bool(_chunk)
+    grads = (n_params if all_grads else head) * 4
     fwd = {"LM head + loss": loss_ws, "indexer workspace": idx_ws, "MoE workspace": moe_ws}
     top = max(fwd, key=fwd.get)
     phases = [("the end of the forward (loss)", grads, bf16, L, {top: fwd[top]})]
     # phase 2.., the backward of block i: recomputed activations, state gradients, workspaces
     for i in reversed(range(L)):
         moe_i = moe_ws if mlps[i] == "m" else 0
-        grads = (n_params if _in_chunks else head + per_block_params * (L - i)) * 4
+        grads = (n_params if all_grads else head + per_block_params * (L - i)) * 4
         work = {"recomputed block activations": sum(per_block[i].values()) if recompute else 0,
                 "state gradients (in flight)": 2 * state,
                 # the post-res backward opens the block's backward, the MoE's comes after: the larger counts
                 "MoE workspace": moe_i if moe_i >= mhc_ws else 0,
                 "mHC stream-op workspace (backward)": mhc_ws if mhc_ws > moe_i else 0,
                 "indexer workspace": idx_ws if kinds[i] == "D" and recompute and not keeps_sel[i] else 0,
-                "prefetched offload block": state if i < n_off else 0}
-        phases.append((f"the backward of layer {i} ({kinds[i]})", grads, bf16 if _in_chunks else 0, i + 1, work))
-    best = None
+                "prefetched offload block": state if i < n_off else 0,
+                "DSA prefix + grads (backward)": _dsa_prefix if kinds[i] == "D" else 0}
+        phases.append((f"the backward of layer {i} ({kinds[i]})", grads, bf16 if in_chunks else 0, i + 1, work))
+    best, by_phase = None, {}
     for name, g, w16, n_kept, work in phases:
         total = sum(base.values()) + g + w16 + sum(kept[:n_kept]) + sum(work.values())
+        by_phase[name] = int(total * ALLOCATOR_SLACK)
         if best is None or total > best[0]:
             best = (total, name, g, w16, n_kept, work)
     total, phase, g, w16, n_kept, work = best
@@ -311,6 +340,7 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     host = sum(kept_host.values()) + (state if n_off else 0)
     cap = GPUS[gpu]
     return {"seq_len": S, "cp": cp, "gpu": gpu, "plan": plan.to_dict(), "params": n_params, "peak_phase": phase,
+            "phases_gpu_bytes": by_phase,
             "static": static, "kept_gpu": kept_gpu, "kept_host": kept_host,
             "working": dict(released, **{k: v for k, v in work.items() if v}),
             "gpu_bytes": int(total_gpu), "host_bytes": int(host), "gpu_capacity": cap["memory"],
@@ -368,7 +398,7 @@ def resolve_auto(plan: MemoryPlan, cfg: ModelConfig, tokens: int, device,
     return auto_plan(cfg, tokens, plan, 1, device_gpu_key(device), act_bytes, residual_impl)
 
 
-def format_report(e: dict) -> str:
+def format_report(e: dict, phases: bool = False) -> str:
     g = lambda b: f"{b / GIB:9.2f}"  # noqa: E731
     lines = [f"estimate: {e['seq_len']:,} tokens/sequence, CP {e['cp']}, {e['gpu']}, {e['params'] / 1e9:.3f}B parameters",
              f"plan: recompute={e['plan']['recompute']} offload={e['plan']['offload']} seq_chunk={e['plan']['seq_chunk']} "
@@ -392,6 +422,10 @@ def format_report(e: dict) -> str:
     lines.append(f"{'GPU peak (x' + str(ALLOCATOR_SLACK) + ' allocator slack)':<40}{g(e['gpu_bytes'])}  of {e['gpu_capacity'] / GIB:.1f}")
     lines.append(f"{'host (offloaded inputs)':<40}{g(e['host_bytes'])}  of {e['host_capacity'] / GIB:.1f}")
     lines.append(f"verdict: {'fits' if e['fits'] else 'DOES NOT FIT'}")
+    if phases and e.get("phases_gpu_bytes"):
+        lines += ["", f"{'phase (GPU total, with slack)':<58}{'GiB':>9}"]
+        top = max(e["phases_gpu_bytes"].values())
+        lines += [f"{k:<58}{g(v)}{'  <- peak' if v == top else ''}" for k, v in e["phases_gpu_bytes"].items()]
     return "\n".join(lines)
 
 
@@ -413,7 +447,7 @@ def main(a) -> int:
     if a.json:
         print(json.dumps(e, indent=2))
     else:
-        print(format_report(e))
+        print(format_report(e, phases=getattr(a, "phases", False)))
     return 0 if e["fits"] else 1
 
 
