@@ -162,6 +162,14 @@ class Device:
             yield
             torch.cuda.synchronize(self.dev)
 
+    def reset_interval(self) -> None:
+        """Restart the peak counter (the --peak timeline's per-interval maxima)."""
+        if self.smoke:
+            if self._live is not None:
+                self._live.peak = self._live.current
+        else:
+            torch.cuda.reset_peak_memory_stats(self.dev)
+
     def peaks(self) -> tuple[float, float]:
         """(peak allocated, peak reserved) of the last step, GiB."""
         if self.smoke:
@@ -329,13 +337,19 @@ class Bench:
         self.model.block_fn = None
         self.dev.free(collect=True)
 
-    def measure(self, plan: MemoryPlan, S: int, reps: int, after_step=None) -> dict:
+    def measure(self, plan: MemoryPlan, S: int, reps: int, after_step=None, on_progress=None) -> dict:
         """`reps` full steps under `plan` (one policy, as in training; `after_step()` runs after each);
-        {'status': 'ok', ...} or {'status': 'oom', 'error': ...}."""
+        {'status': 'ok', ...} or {'status': 'oom', 'error': ...}. `on_progress(line)`: also called with
+        each chunk's line of a sequence-chunked step (the --peak timeline marks the chunks with it)."""
         policy = apply_plan(self.model, plan)
         if hasattr(policy, "progress"):  # the sequence-chunked step: a line per chunk, timed
             t_start = time.perf_counter()
-            policy.progress = lambda m: self.log(f"  [{S:,} {time.perf_counter() - t_start:7.1f} s] {m}")
+
+            def progress(m):
+                if on_progress is not None:
+                    on_progress(m)
+                self.log(f"  [{S:,} {time.perf_counter() - t_start:7.1f} s] {m}")
+            policy.progress = progress
         if self.dev.smoke and getattr(policy, "offloader", None) is not None:
             policy.offloader.force, policy.offloader.min_bytes = True, 0  # move (copy) even CPU tensors
         ids, labels = self.batch(S)
@@ -440,24 +454,33 @@ class Bench:
         base = self.all_on(S)
         plan = (dataclasses.replace(base, recompute="on", offload=str(self.cfg.num_layers)) if name == "offload_all"
                 else CONFIGS[name](base))
-        self.measure(plan, S, 1)  # warm: compiled, optimizer state, kept buffers exist
-        with peak_mod.timeline(self.model, read=self.dev.counters) as marks:
-            r = self.measure(plan, S, 1)
-        marks.append(("after the step (loss, optimizer)", *self.dev.counters()))  # a peak past the last block
+        if not self.args.peak_cold:
+            self.measure(plan, S, 1)  # warm: compiled, optimizer state, kept buffers exist
+        # every mark restarts the allocator's peak counter: each interval, and so each phase, has its own
+        with peak_mod.timeline(self.model, read=self.dev.counters, reset=self.dev.reset_interval) as marks:
+            r = self.measure(plan, S, 1, on_progress=marks.mark)
+        marks.mark("after the step (loss, optimizer)")  # the interval past the last block
         if r["status"] != "ok":
             self.log(f"peak at {S} ({name}): {r['status']}")
             return
-        est = self.estimate(plan, S)
+        # measure() read the counter of the last interval only: the step's peak is the running max
+        r["peak_allocated_gib"] = marks[-1][2] / GIB
+        e_full = est.estimate(self.cfg, S, plan, gpu=self.dev.gpu_key, act_bytes=self.act_bytes,
+                              residual_impl=self.impls["residual"])
+        est_gib = e_full["gpu_bytes"] / GIB
         head = (f"{self.res['command']}\n{name} at {S}: measured peak {r['peak_allocated_gib']:.2f} GiB, "
-                f"estimate {est['estimate_gib']:.2f} GiB\n")
+                f"estimate {est_gib:.2f} GiB\n")
         where = peak_mod.locate_peak(marks)
-        text = head + peak_mod.format_timeline(marks) + "\n"
-        entry = {"peak_allocated_gib": r["peak_allocated_gib"], "estimate_gib": est["estimate_gib"], "plan": plan.to_dict(),
+        phases = {k: v / GIB for k, v in peak_mod.phase_peaks(marks, self.cfg.layer_kinds()).items()}
+        est_phases = {k: v / GIB for k, v in e_full["phases_gpu_bytes"].items()}
+        text = head + peak_mod.format_timeline(marks) + "\n\n" + format_phases(phases, est_phases) + "\n"
+        entry = {"peak_allocated_gib": r["peak_allocated_gib"], "estimate_gib": est_gib, "plan": plan.to_dict(),
                  "impl": r.get("impl"),
                  "peak_between": [where["after"], where["by"]],
                  "allocated_between_gib": [None if where["allocated_after"] is None else where["allocated_after"] / GIB,
                                            where["allocated_by"] / GIB if where["allocated_by"] is not None else None],
-                 "marks": [(lbl, a / GIB, m / GIB) for lbl, a, m in marks]}
+                 "phases_gib": phases,
+                 "marks": [(mk[0], *(b / GIB for b in mk[1:])) for mk in marks]}
         if self.args.peak_trace and not self.dev.smoke:
             with peak_mod.record(self.dev.dev) as rec:
                 r = self.measure(plan, S, 1)
@@ -588,6 +611,36 @@ def estimated_max_context(cfg, plan: MemoryPlan, start: int, cap: int, gpu: str,
     while S <= cap and est.estimate(cfg, S, plan, 1, gpu, act_bytes)["fits"]:
         pred, S = S, 2 * S
     return pred
+
+
+def estimate_phase(measured: str) -> str:
+    """The estimate's name (longctx/memory/estimate.py, phases_gpu_bytes) of a measured phase
+    (longctx/memory/peak.py, phase_peaks): chunk N/N is the backward sweep's first ('last chunk'), the
+    others 'earlier chunks'; the forward and the loss is the estimate's end of the forward."""
+    name = measured
+    if name.startswith("chunk "):
+        c, _, name = name[len("chunk "):].partition(": ")
+        i, n = c.split("/")
+        prefix = "last chunk: " if i == n else "earlier chunks: "
+    else:
+        prefix = ""
+    if name == "the forward and the loss":
+        name = "the end of the forward (loss)"
+    return prefix + name
+
+
+def format_phases(measured: dict, estimated: dict) -> str:
+    """Measured peak of each phase beside the estimate of that phase (the largest measured chunk for
+    'earlier chunks')."""
+    rows, seen = [], {}
+    for k, v in measured.items():
+        e = estimate_phase(k)
+        seen[e] = max(seen.get(e, 0), v)
+    lines = [f"{'phase':<48}{'measured GiB':>13}{'estimate GiB':>13}{'error':>8}"]
+    for e, v in seen.items():
+        x = estimated.get(e)
+        rows.append(f"{e:<48}{v:13.2f}{_f(x):>13}{_err(x, v) if x is not None else '':>8}")
+    return "\n".join(lines + rows)
 
 
 def _line(r: dict) -> str:
@@ -793,6 +846,19 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
             prows.append([name, f"{int(S):,}", _f(p.get("peak_allocated_gib")), _f(e), _err(e, p.get("peak_allocated_gib")),
                           between, call.get(p.get("source"), "?")])
         out += _md_table(["config", "tokens", "peak alloc GiB", "estimate GiB", "est. error", "peak between", "from"], prows)
+        for key, p in sorted(res["peaks"].items()):
+            if not p.get("phases_gib"):
+                continue
+            S, name = key.split(":", 1)
+            plan, residual = run_estimate_args({"plan": p["plan"], "impl": p.get("impl")})
+            e = est.estimate(cfg, int(S), plan, 1, "h200", 2, residual_impl=residual)["phases_gpu_bytes"]
+            seen = {}
+            for k, v in p["phases_gib"].items():
+                seen[estimate_phase(k)] = max(seen.get(estimate_phase(k), 0), v)
+            rows = [[k, _f(v), _f(e[k] / GIB if k in e else None), _err(e[k] / GIB, v) if k in e else ""] for k, v in seen.items()]
+            out += ["", f"Each phase's own peak, {name} at {int(S):,} (call {call.get(p.get('source'), '?')}; the allocator's "
+                    "peak counter restarted at every mark; 'earlier chunks': the largest of them):", ""]
+            out += _md_table(["phase", "measured GiB", "estimate GiB", "est. error"], rows)
 
     h = res.get("host_memory_with_offload")
     if h:
@@ -902,6 +968,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peak", metavar="S[:CONFIG]",
                     help="CUDA: after the runs, what is alive at the peak of one warm step at S tokens under CONFIG "
                          "(all_on, a switch-off config, or offload_all; default all_on)")
+    ap.add_argument("--peak-cold", action="store_true",
+                    help="with --peak: no warm step before the timed one at S (the 8k warm-up still runs; a 1M step costs 90 s)")
     ap.add_argument("--peak-trace", action="store_true",
                     help="with --peak: also one step under torch's allocation history (what is alive at the peak by "
                          "allocating line; it failed inside the recompute backward on the H200 with torch 2.11)")

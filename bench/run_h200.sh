@@ -100,11 +100,15 @@ liger)
       --seqlens 131072 --profile 131072 > "$OUT/memory_liger_mhc.log" 2>&1; tail -4 "$OUT/memory_liger_mhc.log"
   ;;
 peak)
-  # what is alive at the peak, by allocating line: the offloaded 256k step (14% over its estimate), all-on 256k
-  timeout $(left 300) python bench/memory.py --out "$OUT/peak" --parts none --peak 262144:offload_all \
-      > "$OUT/memory_peak.log" 2>&1; tail -30 "$OUT"/peak/peak_*.txt
-  timeout $(left) python bench/memory.py --out "$OUT/peak" --resume --parts none --no-warmup --peak 262144 \
-      >> "$OUT/memory_peak.log" 2>&1; tail -4 "$OUT/memory_peak.log"
+  # what is alive at the peak and each phase's own peak, by allocating line, for each S[:CONFIG] of PEAKS
+  # (default: the offloaded and the all-on 256k steps); a 1M step runs cold (--peak-cold: the 8k warm-up
+  # makes the optimizer state; a warm step of its own would cost 90 s)
+  for pk in ${PEAKS:-262144:offload_all 262144}; do
+    cold=; [ "${pk%%:*}" -ge 1048576 ] && cold=--peak-cold
+    timeout $(left) python bench/memory.py --out "$OUT/peak" --resume --parts none $cold --peak $pk >> "$OUT/memory_peak.log" 2>&1
+    tail -3 "$OUT/memory_peak.log"
+  done
+  rm -f "$OUT/peak/memory.png"  # the device tool returns at most 8 files
   ;;
 host)
   # host memory over 20 offloaded steps at 64k (the offloader's kept pinned buffers must not grow)

@@ -585,6 +585,10 @@ def test_bench_memory_cpu_smoke(tmp_path):
     assert "fwd start layers.0" in labels and "recompute start layers.0.mixer" in labels and "bwd end layers.0" in labels
     assert pk["peak_between"][1] in labels and abs(max(m[2] for m in pk["marks"]) - pk["peak_allocated_gib"]) < 1e-3
     assert "reached after" in (tmp_path / "peak_1024_offload_all.txt").read_text()
+    # each phase's own peak (the counter restarts at every mark), beside the estimate's phase of that name
+    ph = pk["phases_gib"]
+    assert abs(max(ph.values()) - pk["peak_allocated_gib"]) < 1e-6 and "the backward of layer 0 (K)" in ph
+    assert "the backward of layer 0 (K)" in (tmp_path / "peak_1024_offload_all.txt").read_text().split("phase")[-1]
 
 
 def test_release_pinned_names_its_successor():

@@ -88,3 +88,69 @@ def test_timeline_marks_forward_recompute_and_backward_without_changing_gradient
         assert ("recompute start layers.0.mixer" in labels) == recompute
         # backward runs last block first: its gradient arrives before the first block's
         assert labels.index(f"bwd start {last}") < labels.index("bwd start layers.0")
+
+
+def _metered_step(model, ids, with_timeline: bool, chunk: int = 0):
+    """One step under LiveBytes (a CPU allocator twin); with the timeline its counter restarts at every
+    mark, as torch.cuda's does on the GPU. Returns (overall peak, marks)."""
+    from longctx.memory.meter import LiveBytes
+    from longctx.memory.peak import timeline
+    from longctx.memory.sequence_chunks import SequenceChunker
+
+    with LiveBytes() as live:
+        def read():
+            return live.current, live.peak
+
+        def reset():
+            live.peak = live.current
+
+        ctx = timeline(model, read=read, reset=reset) if with_timeline else None
+        marks = ctx.__enter__() if ctx else None
+        try:
+            if chunk:
+                chunker = SequenceChunker(chunk)
+                chunker.progress = marks.mark if marks is not None else None
+                chunker.forward_backward(model, ids[:, :-1], ids[:, 1:])
+            else:
+                model(ids[:, :-1], labels=ids[:, 1:]).loss.backward()
+            if marks is not None:
+                marks.mark("after the step")
+        finally:
+            if ctx:
+                ctx.__exit__(None, None, None)
+        for p in model.parameters():
+            p.grad = None
+        return (marks[-1][2] if marks else live.peak), marks
+
+
+def test_phase_peaks_split_the_step_and_their_maximum_is_the_step_peak():
+    """Per-interval marks: each phase of the step (the forward, each block's backward; each chunk of a
+    sequence-chunked step) gets its own peak, and the largest is the whole step's peak."""
+    import torch
+
+    from longctx.config import preset
+    from longctx.memory.peak import phase_peaks
+    from longctx.memory.plan import MemoryPlan, apply_plan
+    from longctx.model import LongCtxModel
+
+    torch.manual_seed(0)
+    model = LongCtxModel(preset("tiny"))
+    kinds = model.cfg.layer_kinds()
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 129))
+    apply_plan(model, MemoryPlan(recompute="on", offload="off", seq_chunk="off"))
+    plain, _ = _metered_step(model, ids, False)
+    peak, marks = _metered_step(model, ids, True)
+    phases = phase_peaks(marks, kinds)
+    assert peak == plain and max(phases.values()) == plain
+    assert list(phases)[0] == "the forward and the loss"
+    assert {f"the backward of layer {i} ({k})" for i, k in enumerate(kinds)} <= set(phases)
+    assert len({v for n, v in phases.items() if "backward" in n}) > 1  # not one running max repeated
+
+    # sequence chunks: the forward sweep, then each chunk of the backward sweep, last first
+    plain, _ = _metered_step(model, ids, False, chunk=64)
+    peak, marks = _metered_step(model, ids, True, chunk=64)
+    phases = phase_peaks(marks, kinds)
+    assert peak == plain and max(phases.values()) == plain
+    assert "the forward sweep" in phases
+    for c in ("2/2", "1/2"):
+        assert f"chunk {c}: the backward of layer {len(kinds) - 1} ({kinds[-1]})" in phases, list(phases)

@@ -119,20 +119,38 @@ def _tensors(x):
             yield from _tensors(y)
 
 
+class Marks(list):
+    """The marks of one step: (label, allocated bytes, running max, max since the previous mark).
+    `mark(label)` adds one; with a `reset` (CUDA: the allocator's peak counter) each mark's own max
+    covers only the interval since the one before, so every phase of the step gets its own peak
+    (`phase_peaks`). Without one the fourth field repeats the running max."""
+
+    def __init__(self, read, reset=None):
+        super().__init__()
+        self._read, self._reset = read, reset
+
+    def mark(self, label: str) -> None:
+        a, m = self._read()
+        self.append((label, a, max(self[-1][2] if self else 0, m), m))
+        if self._reset is not None:
+            self._reset()
+
+
 @contextlib.contextmanager
-def timeline(model, read=None, depth: int = 2):
-    """Marks of one step: yields a list that fills with (label, allocated bytes, running max bytes).
-    Hooks on `model.layers.N` (depth 1) and their children (depth 2): forward start and end (phase
-    fwd, or recompute when a block's forward runs again inside backward) and, for outputs that take a
-    gradient, bwd start (the output's gradient arrived) and, for inputs, bwd end (the input's gradient
-    is computed). `read()` -> (allocated, max allocated); default torch.cuda's counters."""
+def timeline(model, read=None, depth: int = 2, reset=None):
+    """Marks of one step: yields a `Marks` list that fills with (label, allocated bytes, running max
+    bytes, max bytes since the previous mark). Hooks on `model.layers.N` (depth 1) and their children
+    (depth 2): forward start and end (phase fwd, or recompute when a block's forward runs again inside
+    backward) and, for outputs that take a gradient, bwd start (the output's gradient arrived) and, for
+    inputs, bwd end (the input's gradient is computed). `read()` -> (allocated, max allocated) and
+    `reset()` (start a new interval); default torch.cuda's counters and reset_peak_memory_stats, so
+    the caller's own max_memory_allocated then covers only the last interval: the step's peak is the
+    last mark's running max (bench/memory.py adds a final mark)."""
     if read is None:
         read = lambda: (torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated())  # noqa: E731
-    marks: list[tuple[str, int, int]] = []
-
-    def mark(label):
-        a, m = read()
-        marks.append((label, a, m))
+        reset = torch.cuda.reset_peak_memory_stats
+    marks = Marks(read, reset)
+    mark = marks.mark
 
     def mark_grad_of_first(tensors, label):
         """Mark `label` when the gradient of the first of `tensors` that takes one is computed."""
@@ -167,6 +185,44 @@ def timeline(model, read=None, depth: int = 2):
             h.remove()
 
 
+CHUNK_MARKS = ("forward sweep: chunk", "backward sweep: chunk")  # memory/sequence_chunks.py's progress lines
+
+
+def phase_peaks(marks, kinds: list[str] | None = None) -> dict:
+    """{phase: peak bytes} from per-interval marks (`Marks` with a reset): the forward and the loss,
+    then the backward of each block (from its recompute, or its output's gradient, to the next
+    block's), named like the estimate's phases ("the backward of layer 11 (D)" with `kinds`). In a
+    sequence-chunked step (marks named by CHUNK_MARKS) the forward sweep is one phase and each chunk
+    of the backward sweep is a prefix ("chunk 7/8: ..."). The interval that ends at a mark belongs
+    to the phase current at the mark before it."""
+    chunk_of, cur = [None] * len(marks), None
+    for k in reversed(range(len(marks))):
+        label = marks[k][0]
+        if label.startswith(CHUNK_MARKS[0]):
+            cur = "the forward sweep"
+        elif label.startswith(CHUNK_MARKS[1]):
+            cur = "chunk " + label.split("chunk ", 1)[1].split()[0]
+        chunk_of[k] = cur
+    out: dict = {}
+    phase = "the forward and the loss"
+    for k, mk in enumerate(marks):
+        here = chunk_of[k - 1] if k else chunk_of[0]
+        name = here if here == "the forward sweep" else f"{here}: {phase}" if here else phase
+        interval = mk[3] if len(mk) > 3 else mk[2]
+        out[name] = max(out.get(name, 0), interval)
+        label = mk[0]
+        if label.startswith(CHUNK_MARKS[1]):
+            phase = "the forward and the loss"  # the next chunk of the backward sweep starts
+        else:
+            what, _, mod = label.partition(" start ")
+            parts = mod.split(".")
+            if what in ("recompute", "bwd") and len(parts) == 2 and parts[0] == "layers":
+                i = int(parts[1])
+                kind = f" ({kinds[i]})" if kinds else ""
+                phase = f"the backward of layer {i}{kind}"
+    return out
+
+
 def locate_peak(marks: list[tuple[str, int, int]]) -> dict:
     """The first mark whose running maximum is the final one: the peak happened after the mark
     before it and by this one. Returns {'peak_bytes', 'index', 'after', 'by', 'allocated_after',
@@ -174,7 +230,7 @@ def locate_peak(marks: list[tuple[str, int, int]]) -> dict:
     if not marks:
         return {"peak_bytes": 0, "index": None, "after": None, "by": None, "allocated_after": None, "allocated_by": None}
     top = marks[-1][2]
-    i = next(k for k, (_, _, m) in enumerate(marks) if m >= top)
+    i = next(k for k, mk in enumerate(marks) if mk[2] >= top)
     prev = marks[i - 1] if i else None
     return {"peak_bytes": top, "index": i, "after": prev[0] if prev else None, "by": marks[i][0],
             "allocated_after": prev[1] if prev else None, "allocated_by": marks[i][1]}
@@ -191,6 +247,6 @@ def format_timeline(marks: list[tuple[str, int, int]], around: int = 12) -> str:
              f"{r['allocated_by'] / gib:.2f} GiB)", "", f"{'alloc GiB':>9} {'max GiB':>8}  mark"]
     lo, hi = max(0, r["index"] - around), min(len(marks), r["index"] + around + 1)
     for k in range(lo, hi):
-        label, a, m = marks[k]
+        label, a, m = marks[k][:3]
         lines.append(f"{a / gib:9.2f} {m / gib:8.2f}  {label}{'   <- peak by here' if k == r['index'] else ''}")
     return "\n".join(lines)
