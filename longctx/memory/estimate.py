@@ -62,8 +62,13 @@ def _params_of(cfg_json: str) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
-def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan: MemoryPlan, a: int = 2) -> dict:
-    """Bytes a block saves for its backward when it runs *without* recompute, by component."""
+def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan: MemoryPlan, a: int = 2,
+                            fla: bool = False) -> dict:
+    """Bytes a block saves for its backward when it runs *without* recompute, by component (the bytes
+    one block's recompute re-creates). `fla`: KDA through fla-core (a GPU) rather than the torch twin.
+    Checked on the H200 against each sub-layer's recompute (allocated after minus before, call 22,
+    256k): fla KDA mixer 56.1 KB/token measured vs 55.9 counted here (+ its output); MoE 89.7 measured vs
+    77.2 (the 12.5 KB/token gap is not explained; the CPU loop path saves what is counted here)."""
     D, n = cfg.hidden_size, cfg.hc_streams
     out = {}
     # residual connections: collapse input, norms, the expand (2 per block); mHC keeps its fp32
@@ -73,11 +78,20 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
         res += 2 * (n * D * a + (0 if plan.mhc_cast_recompute else n * D * 4) + 40 * n * n * 4)
     out["residual+norms"] = S * res
     if kind == "K":
-        HK = cfg.kda_heads * cfg.kda_head_dim
-        # projections in, conv in/out (+ SiLU), L2-norm fp32 q/k, fp32 gate (+ pre-activation),
-        # the core op's saved q/k/v/g/beta and chunk states, gated norm (fp32) and o_proj input.
-        per = D * a + 3 * HK * a * 3 + 2 * HK * 4 + 2 * HK * 4 + cfg.kda_head_dim * a + 4 * HK * a + HK * 4
-        per += HK * 4 + HK * a * 2
+        H, K = cfg.kda_heads, cfg.kda_head_dim
+        HK = H * K
+        if fla:
+            # input x; the q/k/v projections (the conv's input) and the conv's output (fla's chunk_kda
+            # keeps q, k, v in bf16 with fp32 rstd per head); the gate's low-rank and raw output, beta;
+            # chunk_kda's two [T, H, chunk] bf16 matrices; the gated norm's fp32 input, normalised input,
+            # weighted product and sigmoid(gate), its bf16 output (o_proj's input); the gate's low rank
+            per = D * a + 3 * HK * a * 2 + 2 * H * 4 + K * a + HK * a + H * a + 2 * H * cfg.kda_chunk_size * a
+            per += 4 * HK * 4 + HK * a + K * a
+        else:
+            # the torch twin: projections in, conv in/out (+ SiLU), L2-norm fp32 q/k, fp32 gate (+ pre-
+            # activation), the core op's saved q/k/v/g/beta and chunk states, gated norm (fp32), o_proj input
+            per = D * a + 3 * HK * a * 3 + 2 * HK * 4 + 2 * HK * 4 + K * a + 4 * HK * a + HK * 4
+            per += HK * 4 + HK * a * 2
         out["kda"] = S * per
     else:
         H, L, R = cfg.attn_heads, cfg.kv_lora_rank, cfg.q_lora_rank
@@ -87,15 +101,21 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
         if not plan.sparse_kernel:
             # the softmax output and its NaN-cleaned copy, both fp32 [H, S, S] (ops/sparse_attention/naive.py)
             out["dsa dense scores"] = 2 * S * S * H * 4
+    # the clamped SwiGLU (layers/mlp.py) keeps 6 rows of the expert width per token and expert: the
+    # gate and up projections (one [2I] tensor for the experts), the clamped gate, silu of it, the
+    # clamped up and their product (the down projection's input)
     if mlp == "d":
-        out["mlp"] = S * (D * a + 3 * cfg.intermediate_size * a)
+        out["mlp"] = S * (D * a + 6 * cfg.intermediate_size * a)
     else:
         k, I = cfg.experts_per_token, cfg.moe_intermediate_size
-        per = D * a + D * a * k + k * 3 * I * a + k * D * (a if plan.moe_bf16_combine else 4)
-        per += cfg.n_shared_experts * 3 * I * a + (0 if plan.router_release else cfg.n_routed_experts * 4 * 2)
+        # input, the gathered rows, the SwiGLU, the expert outputs (kept by the combine's product)
+        per = D * a + D * a * k + k * 6 * I * a + k * D * (a if plan.moe_bf16_combine else 4)
+        per += cfg.n_shared_experts * 6 * I * a + (0 if plan.router_release else cfg.n_routed_experts * 4 * 2)
         out["moe"] = S * per
-        # the experts' bf16 copies (cast per call, layers/moe.py), saved by the grouped matmuls
-        out["moe bf16 expert weights"] = cfg.n_routed_experts * 3 * D * I * a
+        # the experts' bf16 copies (cast per call, layers/moe.py), saved by the grouped matmuls: one set
+        # per MoE chunk of tokens
+        chunks = -(-S // plan.moe_chunk) if plan.moe_chunk else 1
+        out["moe bf16 expert weights"] = chunks * cfg.n_routed_experts * 3 * D * I * a
     return out
 
 
@@ -193,8 +213,10 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     """Sequence-chunked step (memory/sequence_chunks.py): the block-level estimate of one chunk of C
     tokens, plus what stays O(S): per DSA layer the latent rows and their fp32 gradient buffer, the
     pooled indexer keys, the selections (pinned host), and the KDA carries at each chunk start; the
-    indexer scores a chunk's queries against all S/P pools; a DSA block's backward holds the
-    concatenated prefix, its gradient and the kernel's fp32 dkv over the rows up to the chunk's end.
+    indexer scores a chunk's queries against all S/P pools; a DSA block's recompute keeps the latent
+    rows up to the chunk's end (the earlier rows and the chunk's, concatenated for the kernel) through
+    the block's backward. Their gradient and the kernel's fp32 dkv come later, in the mixer's backward,
+    after the MLP's activations are freed (10.8 GiB below the block's peak at 1M: memory_runs/22_*).
     The backward sweep takes the last chunk first: its parameter gradients are created as it goes
     (as in an unchunked step) while its prefix is the whole sequence; in every earlier chunk all
     gradients exist and the prefix is at most S - C rows. Both are estimated; the larger is the peak
@@ -204,7 +226,7 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     inner = dataclasses.replace(plan, seq_chunk="off", offload="0", recompute="on" if plan.recompute == "on" else "off")
     kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
     L = cfg.kv_lora_rank
-    per_row = L * (a + a + 4) if "D" in kinds else 0  # prefix rows, their gradient, the kernel's fp32 dkv
+    per_row = L * a if "D" in kinds else 0  # the concatenated latent rows the kernel reads
     cases = [("last chunk", estimate(cfg, min(C, S), inner, 1, gpu, a, residual_impl=residual_impl, _chunk="last",
                                      _dsa_prefix=S * per_row))]
     if n_chunks > 1:
@@ -268,7 +290,7 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     chunk of a sequence-chunked step, where the bf16 copies live through the whole step (it runs
     inside one autocast region), "last" (the backward sweep's first: gradients created as it goes)
     or "earlier" (every gradient already exists);
-    `_dsa_prefix`: the bytes a DSA block's backward holds for the sequence before the chunk."""
+    `_dsa_prefix`: the bytes a DSA block's backward holds for the sequence up to the chunk's end."""
     if gpu not in GPUS:
         raise ConfigError(f"--gpu {gpu!r} is unknown; choose one of {', '.join(GPUS)}.")
     S_local = -(-S // cp)
@@ -285,7 +307,8 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     recompute = plan.recompute == "on"
     n_off = plan.offload_blocks()
     kept_gpu, kept_host = {}, {}
-    per_block = [_block_activation_bytes(cfg, k, m, S_local, plan, a) for k, m in zip(kinds, mlps)]
+    fla = gpu not in ("cpu", "smoke")  # KDA through fla-core on a GPU (the layer's `auto`)
+    per_block = [_block_activation_bytes(cfg, k, m, S_local, plan, a, fla) for k, m in zip(kinds, mlps)]
     sel = S_local * cfg.index_width() * 4
     keeps_sel = _kept_selections(cfg, plan)
     kl = _indexer_kl_kept(cfg, S_local, a)
@@ -325,7 +348,7 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
                 "mHC stream-op workspace (backward)": mhc_ws if mhc_ws > moe_i else 0,
                 "indexer workspace": idx_ws if kinds[i] == "D" and recompute and not keeps_sel[i] else 0,
                 "prefetched offload block": state if i < n_off else 0,
-                "DSA prefix + grads (backward)": _dsa_prefix if kinds[i] == "D" else 0}
+                "DSA latent rows to the chunk's end": _dsa_prefix if kinds[i] == "D" else 0}
         phases.append((f"the backward of layer {i} ({kinds[i]})", grads, bf16 if in_chunks else 0, i + 1, work))
     best, by_phase = None, {}
     for name, g, w16, n_kept, work in phases:
