@@ -102,6 +102,7 @@ CONFIGS = {
     "mhc_chunk_off": lambda p: dataclasses.replace(p, mhc_chunk=0),
     "loss_chunk_off": lambda p: dataclasses.replace(p, loss_chunk=0),
     "seq_chunk_off": lambda p: dataclasses.replace(p, seq_chunk="off"),
+    "seq_skip_last_off": lambda p: dataclasses.replace(p, seq_skip_last=False),
 }
 QUICK_CONFIGS = ["all_on", "sparse_kernel_off", "chunked_indexer_off", "recompute_off", "loss_chunk_off"]
 
@@ -119,6 +120,7 @@ def effective(plan: MemoryPlan) -> dict:
         d["indexer_chunk"] = None
     if not plan.seq_chunk_tokens():
         d["seq_chunk"] = "off"
+        d["seq_skip_last"] = None
     if not plan.mhc_cast_recompute:  # auto's mHC is then the torch path, which has no liger calls to chunk
         d["mhc_chunk"] = None
     return d

@@ -130,7 +130,8 @@ def test_backward_sweep_replays_the_forward_sweeps_routing(monkeypatch):
     m.zero_grad(set_to_none=True)
     calls, orig = [], moe_mod.select_experts
     monkeypatch.setattr(moe_mod, "select_experts", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
-    chunker = _RerouteAfterForwardSweep(16)
+    # the sweep runs every chunk here (seq_skip_last off): the perturbation then reaches every chunk
+    chunker = _RerouteAfterForwardSweep(16, skip_last_chunk=False)
     chunker.forward_backward(m, x, y)
     n_moe = sum(isinstance(mod, MoE) for mod in m.modules())
     assert len(calls) == 5 * n_moe  # the forward sweep only: 5 chunks of <= 16 tokens, one call each
@@ -147,8 +148,39 @@ def test_backward_sweep_replays_the_forward_sweeps_routing(monkeypatch):
         replay = property(lambda self: False, lambda self, v: None)
 
     monkeypatch.setattr(sc, "RoutingTape", _NoReplay)
-    _RerouteAfterForwardSweep(16).forward_backward(m, x, y)
+    _RerouteAfterForwardSweep(16, skip_last_chunk=False).forward_backward(m, x, y)
     assert _max_err(_grads(m), ref) > 1e-3
+
+
+def test_the_skipped_last_chunk_selects_and_routes_once_and_its_recompute_replays(monkeypatch):
+    """memory.seq_skip_last (on by default): the forward sweep stops before the last chunk; the backward
+    sweep's first pass over it routes (records into the tape) and selects through the sweep's indexer
+    caches, and its block recompute replays both: the router and the indexer run once per chunk, and
+    the gradient is the whole sequence's (fp64)."""
+    import longctx.layers.kpool_indexer as idx_mod
+    import longctx.layers.moe as moe_mod
+
+    m = _model()
+    x, y = _batch(m.cfg)
+    out = m(x, labels=y)
+    out.loss.backward()
+    ref = _grads(m)
+    m.zero_grad(set_to_none=True)
+    routed, selected = [], []
+    orig_route, orig_select = moe_mod.select_experts, idx_mod.KPoolIndexer.select
+    monkeypatch.setattr(moe_mod, "select_experts", lambda *a, **kw: routed.append(1) or orig_route(*a, **kw))
+    monkeypatch.setattr(idx_mod.KPoolIndexer, "select", lambda self, *a, **kw: selected.append(1) or orig_select(self, *a, **kw))
+    lines = []
+    chunker = SequenceChunker(16)
+    chunker.progress = lines.append
+    got = chunker.forward_backward(m, x, y)
+    n_moe = sum(isinstance(mod, MoE) for mod in m.modules())
+    n_idx = sum(isinstance(mod, idx_mod.KPoolIndexer) for mod in m.modules())
+    assert n_moe and n_idx
+    assert len(routed) == 5 * n_moe and len(selected) == 5 * n_idx  # 4 chunks in the sweep, the last once
+    assert [ln for ln in lines if ln.startswith("forward sweep")][-1] == "forward sweep: chunk 4/5 done"
+    assert abs(got.lm_loss.item() - out.lm_loss.item()) <= 1e-6 * out.lm_loss.item()
+    assert _max_err(_grads(m), ref) < 1e-5
 
 
 def test_a_recorded_tape_replays_in_both_sweeps():

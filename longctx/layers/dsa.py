@@ -40,13 +40,17 @@ class DSACache:
 class LatentPrefix:
     """Training over sequence chunks (`longctx.memory.sequence_chunks`): the latent rows of the
     tokens before this chunk (`rows`, a leaf that collects their gradient; None for the first
-    chunk). The forward records the chunk's own rows in `new_rows`; the selection is passed in."""
+    chunk). The forward records the chunk's own rows in `new_rows`; the selection is passed in, or,
+    for a chunk the forward sweep skipped, `select` = {"cache": the sweep's indexer cache}: the first
+    pass selects through it (no graph) and leaves the result under "selection", which a recompute of
+    the block (the same dict) takes instead of selecting again."""
 
-    def __init__(self, rows: torch.Tensor | None, want_kl: bool = False):
+    def __init__(self, rows: torch.Tensor | None, want_kl: bool = False, select: dict | None = None):
         self.rows = rows
         self.new_rows: torch.Tensor | None = None
         self.want_kl = want_kl  # keep the indexer KL's (detached) inputs for the caller
         self.kl_inputs: tuple | None = None
+        self.select = select
 
 
 class SparseMLA(nn.Module):
@@ -94,8 +98,12 @@ class SparseMLA(nn.Module):
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora)
         q_abs = torch.einsum("bthn,hnl->bthl", q, w[:, : self.nope])
         c = c.to(q_abs.dtype)  # under autocast the norm's fp32 weight promotes c; keys/values live in the compute dtype
-        if isinstance(cache, LatentPrefix):
-            if forced_selection is None and prev_selection is None:
+        chunked, select = isinstance(cache, LatentPrefix), None
+        if chunked:
+            select = cache.select
+            if forced_selection is None and select is not None and "selection" in select:
+                forced_selection = select["selection"]  # a recompute: the first pass's selection
+            if forced_selection is None and prev_selection is None and (select is None or self.indexer is None):
                 raise ValueError(f"DSA layer {self.layer_idx}: a LatentPrefix chunk needs its selection passed in.")
             cache.new_rows = c
             kv = c if cache.rows is None else torch.cat([cache.rows.to(c.dtype), c], 1)
@@ -107,7 +115,10 @@ class SparseMLA(nn.Module):
 
         selection = forced_selection
         if selection is None:
-            if self.indexer is not None:
+            if self.indexer is not None and select is not None:
+                with torch.no_grad():  # extends the sweep's pooled keys by this chunk's, once
+                    selection = select["selection"] = self.indexer.select(x, q_latent, cache=select["cache"])
+            elif self.indexer is not None:
                 selection = self.indexer.select(x, q_latent, cache=None if cache is None else cache.indexer)
             elif prev_selection is None:
                 raise ValueError(
@@ -127,7 +138,7 @@ class SparseMLA(nn.Module):
         in_backward = torch._C._current_graph_task_id() != -1  # a block recompute: the first pass's KL counts
         if not in_backward:
             self.indexer_loss_value = None
-        if (self.indexer is not None and self.cfg.indexer_loss and self.training and cache is None
+        if (self.indexer is not None and self.cfg.indexer_loss and self.training and cache is None and not chunked
                 and forced_selection is None and not in_backward):
             # Unscaled KL (the model applies indexer_loss_coef). Built with its own graph even under
             # no_grad (a recompute's first pass), from detached inputs: only the indexer learns from it.

@@ -23,6 +23,10 @@
     loss_chunk          LM head + loss over `loss_chunk` rows      [S, vocab] logits materialised
     seq_chunk           the step runs over the sequence in chunks  the whole sequence at once
                         of N tokens, backprop carried between them
+    seq_skip_last       the chunked step's forward sweep stops     the sweep runs every chunk (the last
+                        before the last chunk (its backward sweep  one's carries are never read)
+                        builds that chunk first, selecting and
+                        routing by itself)
                         ("auto": only when block recompute and
                         offload cannot fit; see sequence_chunks)
 
@@ -61,13 +65,14 @@ class MemoryPlan:
     loss_chunk: int = 8192
     attn_chunk: int = 1024  # queries per pass of the torch sparse-attention twin
     seq_chunk: str = "auto"  # "auto" | "off" | tokens per chunk, e.g. "65536"
+    seq_skip_last: bool = True
 
     @classmethod
     def baseline(cls) -> "MemoryPlan":
         """What a plain implementation does: every technique off."""
         return cls(sparse_kernel=False, chunked_indexer=False, recompute="off", offload="off", pin_memory=False,
                    keep_pinned=False, reuse_selection=False, router_release=False, mhc_cast_recompute=False, moe_bf16_combine=False,
-                   mhc_chunk=0, moe_chunk=0, loss_chunk=0, seq_chunk="off")
+                   mhc_chunk=0, moe_chunk=0, loss_chunk=0, seq_chunk="off", seq_skip_last=False)
 
     @classmethod
     def from_dict(cls, d: dict | None, base: "MemoryPlan | None" = None) -> "MemoryPlan":
@@ -164,7 +169,7 @@ def apply_plan(model, plan: MemoryPlan):
 
         model.block_fn = None
         return SequenceChunker(plan.seq_chunk_tokens(), checkpoint_blocks=plan.recompute == "on",
-                               pin_memory=plan.pin_memory)
+                               pin_memory=plan.pin_memory, skip_last_chunk=plan.seq_skip_last)
     if blocks:
         model.block_fn = RecomputePolicy(recompute=True, offload_layers=plan.offload_blocks(),
                                          reuse_selection=plan.reuse_selection, pin_memory=plan.pin_memory,

@@ -16,6 +16,10 @@ backpropagated like an RNN with checkpoints at the chunk boundaries:
    caches; record each KDA layer's carry at each chunk start; the DSA caches collect every token's
    latent row (one [B, S, kv_lora] buffer per DSA layer) and pooled indexer keys; keep each full
    DSA layer's int32 selection of each chunk (in pinned host memory on CUDA).
+   The sweep stops before the last chunk (`memory.seq_skip_last`, on): what it would record there
+   is read by no one, so the backward sweep builds that chunk first without forced selections, its
+   DSA layers selecting through the sweep's indexer caches and its MoE layers recording their
+   routing in the first pass, both replayed by the block recompute.
 2. backward sweep, last chunk first: rebuild chunk c from its embeddings and the recorded carries
    with a graph (each block under per-block checkpointing, so one block's activations live at a
    time), take its tokens' loss, and backpropagate it together with what the later chunks sent
@@ -70,11 +74,12 @@ class SequenceChunker:
     recompute inside a chunk; `selection_to_host`: keep selections in pinned host memory (CUDA)."""
 
     def __init__(self, chunk: int, checkpoint_blocks: bool = True, selection_to_host: bool = True,
-                 pin_memory: bool = True):
+                 pin_memory: bool = True, skip_last_chunk: bool = True):
         if chunk < 1:
             raise ConfigError(f"memory.seq_chunk must be >= 1 tokens (got {chunk}).")
         self.chunk, self.checkpoint_blocks = chunk, checkpoint_blocks
         self.selection_to_host, self.pin_memory = selection_to_host, pin_memory
+        self.skip_last_chunk = skip_last_chunk  # memory.seq_skip_last
         self.last_stats: dict = {}
         self._host: dict = {}  # (layer, chunk) -> pinned selection buffer, reused step after step
         self.progress = None  # optional callable(str): one line per chunk of each sweep (benchmarks)
@@ -97,7 +102,10 @@ class SequenceChunker:
         bounds = self._bounds(S)
         n_tokens = (labels != -100).sum().clamp(min=1)
         tape = routing if routing is not None else RoutingTape()
-        carries, selections, caches = self._forward_sweep(model, input_ids, bounds, tape=tape)
+        # the forward sweep stops before the last chunk: the backward sweep builds that one first, from
+        # the carries at its start, selecting and routing by itself (nothing after it needs its carries)
+        skip_last = self.skip_last_chunk and len(bounds) > 1
+        carries, selections, caches = self._forward_sweep(model, input_ids, bounds, tape=tape, skip_last=skip_last)
         tape.replay = True
         cfg, P = model.cfg, model.cfg.index_pool
         kl_layers = [i for i, b in enumerate(model.layers) if b.kind == "D" and b.mixer.indexer is not None]
@@ -122,19 +130,25 @@ class SequenceChunker:
         losses = []
         total = torch.zeros((), dtype=acc, device=input_ids.device)
         total_kl = torch.zeros((), dtype=acc, device=input_ids.device)
-        for ci in range(len(bounds) - 1, -1, -1):
+        last = len(bounds) - 1
+        for ci in range(last, -1, -1):
             s0, s1 = bounds[ci]
             leaves, outs, grads, pools = {}, [], [], {}
             tape.offset = s0
-            with replaying(), routing_tape(tape):
+            # the skipped last chunk's first forward is its first: it records its routing (unless an
+            # outside tape is replayed) and keeps the balance bookkeeping; its recompute replays both
+            first_pass = skip_last and ci == last
+            tape.replay = not first_pass or routing is not None
+            with (contextlib.nullcontext() if first_pass else replaying()), routing_tape(tape):
                 tl, ends = self._chunk_graph(model, input_ids[:, s0:s1], labels[:, s0:s1], s0, ci, carries,
-                                             selections, latent, leaves, pools)
+                                             selections, latent, leaves, pools, caches if first_pass else None)
+            tape.replay = True
             loss = tl.sum() / n_tokens
             kl = sum(k for k, _, _ in pools.values()) if pools else None
             outs.append(loss if kl is None else loss + kl)
             grads.append(torch.ones_like(loss))
             for i, (_, prev, own) in pools.items():
-                if own is not None and own.requires_grad and i in d_pool:
+                if own is not None and own.requires_grad and i in d_pool and not first_pass:
                     n0 = prev.shape[1] if prev is not None else 0
                     outs.append(own)
                     grads.append(d_pool[i][:, n0 : n0 + own.shape[1]].to(own.dtype))
@@ -144,7 +158,7 @@ class SequenceChunker:
                         if t.requires_grad and g is not None:
                             outs.append(t)
                             grads.append(g.to(t.dtype))
-                elif kinds[i] == "D" and end.requires_grad:
+                elif kinds[i] == "D" and end.requires_grad and not first_pass:  # no later chunk read them
                     outs.append(end)
                     grads.append(d_latent[i][:, s0:s1].to(end.dtype))
             with torch.autocast(input_ids.device.type, enabled=False), routing_tape(tape):  # recomputes replay
@@ -183,10 +197,12 @@ class SequenceChunker:
 
     # ------------------------------------------------------------------ the two sweeps
     @torch.no_grad()
-    def _forward_sweep(self, model, input_ids, bounds, labels=None, losses=None, tape=None):
+    def _forward_sweep(self, model, input_ids, bounds, labels=None, losses=None, tape=None, skip_last=False):
         """Run every chunk through every layer once; record the carries each chunk starts from.
         With `losses` (a list): append each chunk's token losses and record nothing else. With `tape`:
-        MoE routing records into (or replays from) it, positioned at each chunk's start."""
+        MoE routing records into (or replays from) it, positioned at each chunk's start. `skip_last`:
+        stop before the last chunk, recording only the KDA carries at its start (the backward sweep
+        runs it first, with a graph)."""
         record = losses is None
         B = input_ids.shape[0]
         caches = model.init_caches(B, device=input_ids.device, dtype=self._act_dtype(model, input_ids))
@@ -208,6 +224,12 @@ class SequenceChunker:
                 if not record:
                     losses.append(model.chunked_token_losses(model.norm(model.stream.final(state)), labels[:, s0:s1]))
                 self._report(f"forward sweep: chunk {ci + 1}/{len(bounds)} done", input_ids)
+                if skip_last and ci == len(bounds) - 2:
+                    break
+        if skip_last:
+            for i, block in enumerate(model.layers):
+                if block.kind == "K":
+                    carries[i][-1] = (caches[i].recurrent.clone(), caches[i].conv.clone())
         return carries, selections, caches
 
     def _report(self, what: str, x: torch.Tensor) -> None:
@@ -239,10 +261,12 @@ class SequenceChunker:
         dev = x.device.type
         return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else model.embed.weight.dtype
 
-    def _chunk_graph(self, model, ids, labels, s0, ci, carries, selections, latent, leaves, pools):
+    def _chunk_graph(self, model, ids, labels, s0, ci, carries, selections, latent, leaves, pools, caches=None):
         """Chunk ci with a graph. Fills `leaves` (the carry inputs whose .grad goes to the previous
         chunk) and, with the indexer KL, `pools` {layer: (KL term, earlier pooled keys (leaf), this
-        chunk's pooled keys)}; returns (token losses [B, T], {layer: what this chunk hands on})."""
+        chunk's pooled keys)}; returns (token losses [B, T], {layer: what this chunk hands on}).
+        `caches`: the forward sweep's caches, for a chunk the sweep skipped: its DSA layers select
+        through their indexer caches in the first pass and the recompute reuses that selection."""
         state = model.embed_state(ids)
         sel, ends = None, {}
         for i, block in enumerate(model.layers):
@@ -260,8 +284,11 @@ class SequenceChunker:
                 forced = selections[i][ci]
                 if forced is not None:
                     forced = forced.to(ids.device, non_blocking=True)
+                select = None
+                if forced is None and caches is not None and block.mixer.indexer is not None:
+                    select = {"cache": caches[i].indexer}  # the selection lands here for the recompute
                 want_kl = self._kl is not None and block.mixer.indexer is not None
-                state, sel, new_rows, kl_inputs = self._run(_dsa_block, block, state, sel, rows, forced, want_kl)
+                state, sel, new_rows, kl_inputs = self._run(_dsa_block, block, state, sel, rows, forced, want_kl, select)
                 ends[i] = new_rows
                 if want_kl:
                     pools[i] = self._indexer_kl(block.mixer, i, s0, kl_inputs, sel)
@@ -302,9 +329,9 @@ def _kda_block(block, state, sel, rec, conv):
     return state, carry.recurrent, carry.conv
 
 
-def _dsa_block(block, state, sel, rows, forced, want_kl=False):
+def _dsa_block(block, state, sel, rows, forced, want_kl=False, select=None):
     """A DSA block over one chunk given the earlier latent rows; returns (state, selection, own rows,
-    the indexer KL's detached inputs or None)."""
-    prefix = LatentPrefix(rows, want_kl=want_kl)
+    the indexer KL's detached inputs or None). `select`: see LatentPrefix."""
+    prefix = LatentPrefix(rows, want_kl=want_kl, select=select)
     state, sel = block(state, sel, cache=prefix, forced_selection=forced)
     return state, sel, prefix.new_rows, prefix.kl_inputs
