@@ -119,6 +119,11 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
     return out
 
 
+def _stream_width(cfg: ModelConfig) -> int:
+    """Rows of hidden per token in the residual state a block takes and returns."""
+    return {"mhc": cfg.hc_streams, "plain": 1, "attnres": cfg.attnres_blocks + 1}[cfg.residual]
+
+
 TWO_PHASE_CHUNK = 1024  # queries per score buffer of the two-phase indexer (ops/indexer/two_phase.py)
 
 
@@ -258,7 +263,7 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     # scored against all S/P pools, or the MoE workspace
     idx_ws = _indexer_workspace(cfg, S, plan, _fused_indexer(gpu, plan), queries=C) if "D" in kinds else 0
     moe_ws = _moe_workspace(cfg, C, plan) if n_moe else 0
-    state = C * {"mhc": cfg.hc_streams, "plain": 1, "attnres": cfg.attnres_blocks + 1}[cfg.residual] * cfg.hidden_size * a
+    state = C * _stream_width(cfg) * cfg.hidden_size * a
     sweep = (e["static"]["parameters (fp32)"] + e["static"]["AdamW moments (fp32)"] + e["static"]["bf16 weight copies"]
              + o_s - kinds.count("D") * S * L * 4 + 2 * state + max(idx_ws, moe_ws))
     phases["the forward sweep"] = int(sweep * ALLOCATOR_SLACK)
@@ -301,7 +306,7 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     L = len(kinds)
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
     per_block_params = (n_params - cfg.vocab_size * cfg.hidden_size - head) / L
-    width = {"mhc": cfg.hc_streams, "plain": 1, "attnres": cfg.attnres_blocks + 1}[cfg.residual]
+    width = _stream_width(cfg)
     a = act_bytes
     state = S_local * width * cfg.hidden_size * a
     recompute = plan.recompute == "on"
