@@ -31,6 +31,7 @@ LOSS_IMPLS = ("auto", "torch", "liger")      # = longctx.ops.fused_loss.LOSS_IMP
 RESIDUAL_IMPLS = ("auto", "torch", "liger")  # = longctx.layers.residual.RESIDUAL_IMPLS
 INDEXER_KERNELS = ("fused", "two_phase", "two_phase_radix")  # = longctx.layers.kpool_indexer.INDEXER_KERNELS
 KDA_CONVS = ("auto", "torch", "fla")  # = longctx.layers.kda.CONV_IMPLS
+KDA_NORMS = ("auto", "torch", "fla")  # = longctx.layers.kda.NORM_IMPLS
 SCHEDULES = ("cosine", "linear", "constant")
 MAIN_SOURCE = "main"  # the name of data.path inside a stage's data_mix
 
@@ -98,7 +99,8 @@ class TrainConfig:
     longctx.ops.mhc_liger); `indexer_kernel` the indexers' Triton path (two_phase: a score buffer and a
     k-th select, the default; fused: one radix-select kernel; two_phase_radix: our own k-th select,
     no faster than torch.topk on the H200); `kda_conv` KDA's short conv (auto = fla's causal_conv1d
-    wherever KDA runs fla's kernel, a decoding or sequence-chunk state's window included). "liger" / "fla" need CUDA and the library, and a run that asks for one where it cannot
+    wherever KDA runs fla's kernel, a decoding or sequence-chunk state's window included); `kda_norm`
+    KDA's gated output norm (fla = fla's fused kernel; auto = torch until the H200 has compared them). "liger" / "fla" need CUDA and the library, and a run that asks for one where it cannot
     run stops at its first step with a ConfigError; "auto" takes torch there and warns on CUDA.
     """
 
@@ -121,6 +123,7 @@ class TrainConfig:
     residual_impl: str = "auto"  # auto | torch | liger (mHC only); auto = liger on CUDA when it imports, torch otherwise
     indexer_kernel: str = "two_phase"  # fused | two_phase | two_phase_radix: the indexers' Triton path (GPU only)
     kda_conv: str = "auto"  # auto | torch | fla: KDA's short conv; auto = fla's where KDA runs fla's kernel
+    kda_norm: str = "auto"  # auto | torch | fla: KDA's gated output norm; auto = torch (fla's not yet compared on the GPU)
     memory: dict = field(default_factory=dict)  # the memory plan; validated by the memory system
     cuda_alloc: str = "expandable_segments:True"  # CUDA allocator settings (longctx.memory.allocator); "" = torch's
 
@@ -163,6 +166,7 @@ class TrainConfig:
         _choice("residual_impl", self.residual_impl, RESIDUAL_IMPLS)
         _choice("indexer_kernel", self.indexer_kernel, INDEXER_KERNELS)
         _choice("kda_conv", self.kda_conv, KDA_CONVS)
+        _choice("kda_norm", self.kda_norm, KDA_NORMS)
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             raise ConfigError(
                 f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 256 ids; "

@@ -206,3 +206,66 @@ def test_fla_conv_with_a_window_matches_torch_conv(T):
     assert rel_rms(gx_f, gx_t) <= GRAD_TOL and rel_rms(gw0_f, gw0_t) <= GRAD_TOL
     for a, b in zip(gp_f, gp_t):
         assert rel_rms(a, b) <= GRAD_TOL
+
+
+@pytest.mark.parametrize("T", [1, 777])
+def test_fla_gated_norm_matches_ours_and_keeps_less(T):
+    """norm_impl fla (fla's fused gated RMSNorm, sigmoid gate) against layers.norms.GatedRMSNorm on the
+    same bf16 inputs: output (op tolerance) and the gradients of the input, the gate and the weight;
+    fresh random inputs, 12 heads of 128 (h200-ref), T no multiple of any tile. And what each keeps
+    for backward (the saved-tensor meter): predicted per token 4 x HK x 4 + HK x 2 = 27,648 bytes for
+    ours (fp32 input, normalised input, weighted product, sigmoid(gate); the bf16 output is the next
+    op's) against HK x 2 x 2 + H x 4 = 6,192 for fla's (x, the gate, one fp32 rstd per row). Not yet run
+    on the GPU (written after call 22)."""
+    from longctx.layers.norms import GatedRMSNorm
+    from longctx.memory.meter import SavedTensorMeter
+    from longctx.ops.kda import fla_gated_rms_norm
+
+    H, K = 12, 128
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(2, T, H, K, device="cuda", generator=gen).bfloat16()
+    g = (2 * torch.randn(2, T, H, K, device="cuda", generator=gen)).bfloat16()
+    norm = GatedRMSNorm(K).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(K, device="cuda", generator=gen))
+    dy = torch.randn(2, T, H, K, device="cuda", generator=gen)
+    runs, saved = {}, {}
+    for use_fla in (False, True):
+        xi, gi = x.clone().requires_grad_(True), g.clone().requires_grad_(True)
+        norm.weight.grad = None
+        meter = SavedTensorMeter()
+        with meter.measure():
+            y = fla_gated_rms_norm(xi, gi, norm.weight, norm.eps) if use_fla else norm(xi, gi)
+        assert y.dtype == torch.bfloat16
+        (y.float() * dy).sum().backward()
+        runs[use_fla] = (y.detach().float(), xi.grad.float(), gi.grad.float(), norm.weight.grad.clone())
+        saved[use_fla] = meter.total() / (2 * T)
+    for a, b in zip(runs[True], runs[False]):
+        assert rel_rms(a, b) <= (OUT_TOL if a is runs[True][0] else GRAD_TOL)
+    print(f"T={T}: saved per token: ours {saved[False]:.0f} B, fla {saved[True]:.0f} B")
+    if T > 1:
+        assert saved[True] < 0.5 * saved[False]
+
+
+def test_layer_fla_norm_matches_ours():
+    """The layer with norm_impl fla against norm_impl torch (the rest on fla, bf16): output and every
+    parameter's gradient within the layer tolerance; the step log names it."""
+    from longctx.config import preset
+    from longctx.layers.kda import KimiDeltaAttention
+
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(preset("small"), 0).cuda().bfloat16()
+    x = torch.randn(2, 777, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for impl in ("torch", "fla"):
+        layer.norm_impl = impl
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.float().square().mean().backward()
+        out[impl] = (y.detach().float(), xi.grad.float(), {n: p.grad.float() for n, p in layer.named_parameters()})
+        assert layer.last_impl.endswith("+fla-norm") == (impl == "fla"), layer.last_impl
+    (y_t, gx_t, g_t), (y_f, gx_f, g_f) = out["torch"], out["fla"]
+    assert rel_rms(y_f, y_t) <= LAYER_TOL and rel_rms(gx_f, gx_t) <= LAYER_TOL
+    for n in g_t:
+        assert rel_rms(g_f[n], g_t[n]) <= LAYER_TOL, n

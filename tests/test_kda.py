@@ -234,3 +234,21 @@ def test_conv_impl_rules():
     layer.conv_impl = "cuda"
     with pytest.raises(ConfigError, match="conv_impl must be one of auto, torch, fla"):
         layer(x)
+
+
+def test_norm_impl_rules():
+    """norm_impl fla (fla's fused gated norm) needs CUDA and fla: one sentence naming the fix; auto is
+    ours everywhere until the H200 has compared them; an unknown value names the choices."""
+    from longctx.errors import ConfigError
+
+    layer = KimiDeltaAttention(_cfg(), 0)
+    x = torch.randn(1, 9, layer.hidden_size)
+    assert layer.norm_impl == "auto"
+    layer(x)
+    assert layer.last_impl == "kda:torch-chunk"
+    layer.norm_impl = "fla"
+    with pytest.raises(ConfigError, match="KDA norm 'fla' .* needs CUDA tensors and fla-core.*set kda_norm to 'auto' or 'torch'"):
+        layer(x)
+    layer.norm_impl = "triton"
+    with pytest.raises(ConfigError, match="norm_impl must be one of auto, torch, fla"):
+        layer(x)

@@ -83,17 +83,17 @@ TINY_RUN = ["model.vocab_size=256", "stages=[{seq_len = 64, steps = 1, lr = 1e-3
 
 
 def test_impl_settings_default_round_trip_and_print():
-    from longctx.layers.kda import CONV_IMPLS
+    from longctx.layers.kda import CONV_IMPLS, NORM_IMPLS
     from longctx.layers.kpool_indexer import INDEXER_KERNELS as model_indexer_kernels
     from longctx.layers.residual import RESIDUAL_IMPLS as model_residual_impls
     from longctx.ops.fused_loss import LOSS_IMPLS as model_loss_impls
-    from longctx.train_config import INDEXER_KERNELS, KDA_CONVS
+    from longctx.train_config import INDEXER_KERNELS, KDA_CONVS, KDA_NORMS
 
     assert LOSS_IMPLS == model_loss_impls and RESIDUAL_IMPLS == model_residual_impls
-    assert INDEXER_KERNELS == model_indexer_kernels and KDA_CONVS == CONV_IMPLS
+    assert INDEXER_KERNELS == model_indexer_kernels and KDA_CONVS == CONV_IMPLS and KDA_NORMS == NORM_IMPLS
     c = load_train_config()
     assert c.loss_impl == "auto" and c.residual_impl == "auto"
-    assert c.indexer_kernel == "two_phase" and c.kda_conv == "auto"
+    assert c.indexer_kernel == "two_phase" and c.kda_conv == "auto" and c.kda_norm == "auto"
     c = load_train_config(None, "tiny", ["model.vocab_size=256", "loss_impl=torch", "residual_impl=liger"])
     assert c.loss_impl == "torch" and c.residual_impl == "liger"
     text = c.to_toml()
@@ -146,6 +146,10 @@ def test_fla_conv_on_the_cpu_is_a_clean_config_error(tmp_path):
     with pytest.raises(ConfigError) as e:
         Trainer(cfg, out_dir=str(tmp_path), quiet=True).run(stop_after=1)
     assert "KDA conv 'fla' (setting kda_conv" in str(e.value) and "set kda_conv to 'auto' or 'torch'" in str(e.value)
+    cfg = load_train_config(None, "tiny", [*TINY_RUN, "device=cpu", "kda_norm=fla"])
+    with pytest.raises(ConfigError) as e:
+        Trainer(cfg, out_dir=str(tmp_path), quiet=True).run(stop_after=1)
+    assert "KDA norm 'fla' (setting kda_norm" in str(e.value) and "set kda_norm to 'auto' or 'torch'" in str(e.value)
 
 
 def test_liger_on_the_cpu_exits_2_from_the_cli(tmp_path):
@@ -192,6 +196,7 @@ BAD_SETS = [
     (["residual_impl=ligr"], "residual_impl must be one of auto, torch, liger (got 'ligr'); did you mean liger"),
     (["indexer_kernel=radix"], "indexer_kernel must be one of fused, two_phase, two_phase_radix (got 'radix')"),
     (["kda_conv=cuda"], "kda_conv must be one of auto, torch, fla (got 'cuda')"),
+    (["kda_norm=cuda"], "kda_norm must be one of auto, torch, fla (got 'cuda')"),
     (["betas=[0.9]"], "betas"),
     (["grad_clip=-1"], "grad_clip"),
     (["data.eval_docs=-2"], "data.eval_docs"),

@@ -25,6 +25,7 @@ from ..ops.kda import (
     fla_available,
     fla_causal_conv1d,
     fla_chunk_kda,
+    fla_gated_rms_norm,
     fla_recurrent_kda,
     kda_chunk,
     kda_gate,
@@ -34,6 +35,8 @@ from ..ops.kda import (
 from .norms import GatedRMSNorm
 
 BACKENDS = ("auto", "torch", "fla", "triton")
+NORM_IMPLS = ("auto", "torch", "fla")  # the gated output norm: ours (torch, fp32) or fla's fused kernel; auto = torch
+# until the H200 has compared them (bench/NOTES.md, "Next GPU calls")
 CONV_IMPLS = ("auto", "torch", "fla")  # the short conv: fla's Triton causal_conv1d where KDA runs fla (auto), or forced
 
 
@@ -81,6 +84,7 @@ class KimiDeltaAttention(nn.Module):
             p._no_weight_decay = True
 
         self.backend = "auto"
+        self.norm_impl = "auto"  # "auto" | "torch" | "fla" (NORM_IMPLS)
         self.conv_impl = "auto"  # "auto" | "torch" | "fla": auto = fla's conv where the chunk kernel is fla's (128k step 5.93 -> 5.45 s)
         self.last_impl: str | None = None
         self.reset_gate_parameters()
@@ -163,6 +167,21 @@ class KimiDeltaAttention(nn.Module):
                               "set kda_conv to 'auto' or 'torch'.")
         return True
 
+    def _norm_uses_fla(self, x: torch.Tensor) -> bool:
+        """"fla": fla's fused gated RMSNorm (weight * RMSNorm(o) * sigmoid(gate), SiLU-free), a ConfigError
+        where fla cannot run; "torch" and, for now, "auto": ours (layers/norms.GatedRMSNorm, fp32 inside,
+        four fp32 copies of the output kept for backward: ~21 KB/token more than fla's per KDA layer for
+        h200-ref). auto takes fla's once the GPU test compares them (tests/test_gpu_kda.py)."""
+        if self.norm_impl not in NORM_IMPLS:
+            raise ConfigError(f"KDA norm_impl must be one of {', '.join(NORM_IMPLS)} (got {self.norm_impl!r}).")
+        if self.norm_impl != "fla":
+            return False
+        if not x.is_cuda or not fla_available():
+            raise ConfigError(f"KDA norm 'fla' (setting kda_norm, layer norm_impl) needs CUDA tensors and fla-core 0.6.0 "
+                              f"(tensors on {x.device}, fla {'importable' if fla_available() else 'not importable'}); "
+                              "set kda_norm to 'auto' or 'torch'.")
+        return True
+
     def _pick_backend(self, x: torch.Tensor) -> str:
         if self.backend not in BACKENDS:
             raise ConfigError(f"KDA backend must be one of {', '.join(BACKENDS)} (got {self.backend!r}).")
@@ -191,6 +210,7 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError("KimiDeltaAttention: decoding with a KDAState takes unpacked rows; drop cu_seqlens.")
         backend = self._pick_backend(x)
         conv_fla = self._conv_uses_fla(x, state, backend)
+        norm_fla = self._norm_uses_fla(x)
         qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state, cu_seqlens,
                                conv_fla)
         q, k, v = (t.view(B, T, H, K) for t in qkv.split(H * K, -1))
@@ -224,5 +244,9 @@ class KimiDeltaAttention(nn.Module):
             self.last_impl += "+fla-conv"
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)
-        o = self.o_norm(o.to(x.dtype), gate)
+        if norm_fla:
+            o = fla_gated_rms_norm(o.to(x.dtype), gate.to(x.dtype), self.o_norm.weight, self.o_norm.eps)
+            self.last_impl += "+fla-norm"
+        else:
+            o = self.o_norm(o.to(x.dtype), gate)
         return self.o_proj(o.reshape(B, T, H * K))

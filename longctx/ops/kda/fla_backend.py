@@ -118,3 +118,13 @@ def fla_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.T
     y, final = causal_conv1d(x, weight=weight, initial_state=init, output_final_state=True, activation="silu",
                              backend="triton")
     return y, final[..., 1:]
+
+
+def fla_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * RMSNorm(x) * sigmoid(gate) over the last dim, in x's dtype, through fla's fused Triton
+    kernel: the same function as layers.norms.GatedRMSNorm (fp32 inside), which keeps four fp32 copies
+    of x's size for backward where fla's keeps x, the gate and one fp32 rstd per row."""
+    _require(x, gate)
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    return rms_norm_gated(x, gate, weight, None, activation="sigmoid", eps=eps)
