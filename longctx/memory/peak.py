@@ -194,7 +194,7 @@ def phase_peaks(marks, kinds: list[str] | None = None) -> dict:
     block's), named like the estimate's phases ("the backward of layer 11 (D)" with `kinds`). In a
     sequence-chunked step (marks named by CHUNK_MARKS) the forward sweep is one phase and each chunk
     of the backward sweep is a prefix ("chunk 7/8: ..."). The interval that ends at a mark belongs
-    to the phase current at the mark before it."""
+    to the phase current at the mark before it, in the chunk whose line closes it."""
     chunk_of, cur = [None] * len(marks), None
     for k in reversed(range(len(marks))):
         label = marks[k][0]
@@ -206,7 +206,9 @@ def phase_peaks(marks, kinds: list[str] | None = None) -> dict:
     out: dict = {}
     phase = "the forward and the loss"
     for k, mk in enumerate(marks):
-        here = chunk_of[k - 1] if k else chunk_of[0]
+        # a chunk's marks end with its own line, so the interval up to one is in that chunk; past the
+        # last line (the optimizer step) the last chunk's
+        here = chunk_of[k] if chunk_of[k] is not None or not k else chunk_of[k - 1]
         name = here if here == "the forward sweep" else f"{here}: {phase}" if here else phase
         interval = mk[3] if len(mk) > 3 else mk[2]
         out[name] = max(out.get(name, 0), interval)
