@@ -632,15 +632,20 @@ def estimate_phase(measured: str) -> str:
     return prefix + name
 
 
-def format_phases(measured: dict, estimated: dict) -> str:
-    """Measured peak of each phase beside the estimate of that phase (the largest measured chunk for
-    'earlier chunks')."""
-    rows, seen = [], {}
+def by_estimate_phase(measured: dict) -> dict:
+    """Measured phase peaks under the estimate's phase names (the largest chunk for 'earlier chunks')."""
+    out: dict = {}
     for k, v in measured.items():
         e = estimate_phase(k)
-        seen[e] = max(seen.get(e, 0), v)
+        out[e] = max(out.get(e, 0), v)
+    return out
+
+
+def format_phases(measured: dict, estimated: dict) -> str:
+    """Measured peak of each phase beside the estimate of that phase."""
+    rows = []
     lines = [f"{'phase':<48}{'measured GiB':>13}{'estimate GiB':>13}{'error':>8}"]
-    for e, v in seen.items():
+    for e, v in by_estimate_phase(measured).items():
         x = estimated.get(e)
         rows.append(f"{e:<48}{v:13.2f}{_f(x):>13}{_err(x, v) if x is not None else '':>8}")
     return "\n".join(lines + rows)
@@ -840,28 +845,24 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
 
     if res.get("peaks"):
         out += ["", "## What is alive at the peak (`--peak`: a step with marks at every block and sub-layer)", ""]
-        prows = []
+        prows, phase_tables = [], []
         for key, p in sorted(res["peaks"].items()):
             S, name = key.split(":", 1)
             plan, residual = run_estimate_args({"plan": p["plan"], "impl": p.get("impl")})
-            e = est.estimate(cfg, int(S), plan, 1, "h200", 2, residual_impl=residual)["gpu_bytes"] / GIB
+            e_full = est.estimate(cfg, int(S), plan, 1, "h200", 2, residual_impl=residual)
+            e = e_full["gpu_bytes"] / GIB
             between = " .. ".join(f"'{m}'" for m in p.get("peak_between") or [])
             prows.append([name, f"{int(S):,}", _f(p.get("peak_allocated_gib")), _f(e), _err(e, p.get("peak_allocated_gib")),
                           between, call.get(p.get("source"), "?")])
+            if p.get("phases_gib"):
+                ph = {k: v / GIB for k, v in e_full["phases_gpu_bytes"].items()}
+                rows = [[k, _f(v), _f(ph.get(k)), _err(ph[k], v) if k in ph else ""]
+                        for k, v in by_estimate_phase(p["phases_gib"]).items()]
+                phase_tables += ["", f"Each phase's own peak, {name} at {int(S):,} (call {call.get(p.get('source'), '?')}; "
+                                 "the allocator's peak counter restarted at every mark; 'earlier chunks': the largest of them):",
+                                 ""] + _md_table(["phase", "measured GiB", "estimate GiB", "est. error"], rows)
         out += _md_table(["config", "tokens", "peak alloc GiB", "estimate GiB", "est. error", "peak between", "from"], prows)
-        for key, p in sorted(res["peaks"].items()):
-            if not p.get("phases_gib"):
-                continue
-            S, name = key.split(":", 1)
-            plan, residual = run_estimate_args({"plan": p["plan"], "impl": p.get("impl")})
-            e = est.estimate(cfg, int(S), plan, 1, "h200", 2, residual_impl=residual)["phases_gpu_bytes"]
-            seen = {}
-            for k, v in p["phases_gib"].items():
-                seen[estimate_phase(k)] = max(seen.get(estimate_phase(k), 0), v)
-            rows = [[k, _f(v), _f(e[k] / GIB if k in e else None), _err(e[k] / GIB, v) if k in e else ""] for k, v in seen.items()]
-            out += ["", f"Each phase's own peak, {name} at {int(S):,} (call {call.get(p.get('source'), '?')}; the allocator's "
-                    "peak counter restarted at every mark; 'earlier chunks': the largest of them):", ""]
-            out += _md_table(["phase", "measured GiB", "estimate GiB", "est. error"], rows)
+        out += phase_tables
 
     h = res.get("host_memory_with_offload")
     if h:

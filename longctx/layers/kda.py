@@ -52,6 +52,15 @@ class KDAState:
     recurrent: torch.Tensor
 
 
+def _require_fla(x: torch.Tensor, part: str, setting: str, attr: str) -> bool:
+    """True, or the ConfigError of a part forced to 'fla' where fla cannot run."""
+    if not x.is_cuda or not fla_available():
+        raise ConfigError(f"KDA {part} 'fla' (setting {setting}, layer {attr}) needs CUDA tensors and fla-core 0.6.0 "
+                          f"(tensors on {x.device}, fla {'importable' if fla_available() else 'not importable'}); "
+                          f"set {setting} to 'auto' or 'torch'.")
+    return True
+
+
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -161,11 +170,7 @@ class KimiDeltaAttention(nn.Module):
             return False
         if self.conv_impl == "auto":
             return backend == "fla"
-        if not x.is_cuda or not fla_available():
-            raise ConfigError(f"KDA conv 'fla' (setting kda_conv, layer conv_impl) needs CUDA tensors and fla-core 0.6.0 "
-                              f"(tensors on {x.device}, fla {'importable' if fla_available() else 'not importable'}); "
-                              "set kda_conv to 'auto' or 'torch'.")
-        return True
+        return _require_fla(x, "conv", "kda_conv", "conv_impl")
 
     def _norm_uses_fla(self, x: torch.Tensor) -> bool:
         """"fla": fla's fused gated RMSNorm (weight * RMSNorm(o) * sigmoid(gate), SiLU-free), a ConfigError
@@ -174,13 +179,7 @@ class KimiDeltaAttention(nn.Module):
         h200-ref). auto takes fla's once the GPU test compares them (tests/test_gpu_kda.py)."""
         if self.norm_impl not in NORM_IMPLS:
             raise ConfigError(f"KDA norm_impl must be one of {', '.join(NORM_IMPLS)} (got {self.norm_impl!r}).")
-        if self.norm_impl != "fla":
-            return False
-        if not x.is_cuda or not fla_available():
-            raise ConfigError(f"KDA norm 'fla' (setting kda_norm, layer norm_impl) needs CUDA tensors and fla-core 0.6.0 "
-                              f"(tensors on {x.device}, fla {'importable' if fla_available() else 'not importable'}); "
-                              "set kda_norm to 'auto' or 'torch'.")
-        return True
+        return self.norm_impl == "fla" and _require_fla(x, "norm", "kda_norm", "norm_impl")
 
     def _pick_backend(self, x: torch.Tensor) -> str:
         if self.backend not in BACKENDS:
