@@ -103,10 +103,11 @@ liger)
 peak)
   # what is alive at the peak and each phase's own peak, by allocating line, for each S[:CONFIG] of PEAKS
   # (default: the offloaded and the all-on 256k steps); a 1M step runs cold (--peak-cold: the 8k warm-up
-  # makes the optimizer state; a warm step of its own would cost 90 s)
+  # makes the optimizer state; a warm step of its own would cost 90 s); PEAK_ARGS=--peak-trace for the
+  # allocator's history (what was alive at the peak, by allocating line)
   for pk in ${PEAKS:-262144:offload_all 262144}; do
     cold=; [ "${pk%%:*}" -ge 1048576 ] && cold=--peak-cold
-    timeout $(left) python bench/memory.py --out "$OUT/peak" --resume --parts none $cold --peak $pk >> "$OUT/memory_peak.log" 2>&1
+    timeout $(left) python bench/memory.py --out "$OUT/peak" --resume --parts none $cold ${PEAK_ARGS:-} --peak $pk >> "$OUT/memory_peak.log" 2>&1
     tail -3 "$OUT/memory_peak.log"
   done
   rm -f "$OUT/peak/memory.png"  # the device tool returns at most 8 files
