@@ -5,7 +5,7 @@
 #   bash bench/run_h200.sh memory    # 8k warm-up, the 1M step, a profiled 128k step, the 8k..128k ablation
 #   bash bench/run_h200.sh step1m    # 8k warm-up, the 1M step, a profiled 128k step, baseline max, host memory
 #   NO_PACK=1 bash bench/run_h200.sh extras  # offload cost + pinned vs pageable, liger mHC, 128k/256k switches
-#   bash bench/run_h200.sh tests offload     # parts run in order in one call: tests, e2e, kda, indexer, variants, offload, liger, peak, host, switches
+#   bash bench/run_h200.sh tests offload     # parts run in order in one call: tests, e2e, sparse, kda, indexer, variants, offload, liger, peak, host, switches
 # The files each call brings back go to bench/results/memory_runs/ (numbered in call order), then
 #   python bench/memory.py --report bench/results/memory_runs/*.json --out bench/results
 # Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh); results go to $OUT.
@@ -70,6 +70,12 @@ variants)
     rm -f "$OUT/$d/memory.png"  # the device tool returns a limited number of files: keep the JSON (call 12 lost two)
   done
   ;;
+sparse)
+  # DSA sparse attention vs dense SDPA, the backward with vector and with scalar dkv atomics
+  # (SPARSE_ARGS, e.g. "--seqlens 32768,131072 --dense-max-seqlen 32768 --sweep")
+  timeout $(left) python bench/sparse_attention.py --out "$OUT" ${SPARSE_ARGS:-} > "$OUT/sparse_attention.log" 2>&1
+  tail -12 "$OUT/sparse_attention.log"
+  ;;
 kda)
   timeout $(left) python bench/kda.py --out "$OUT" > "$OUT/kda.log" 2>&1; tail -5 "$OUT/kda.log"
   ;;
@@ -123,6 +129,6 @@ switches)
       --configs ${SWITCH_CONFIGS:-all_on,mhc_chunk_off,chunked_indexer_off,reuse_selection_off,router_release_off,mhc_cast_recompute_off,moe_bf16_combine_off,loss_chunk_off} \
       > "$OUT/memory_extras.log" 2>&1; tail -16 "$OUT/memory_extras.log"
   ;;
-*) echo "usage: bench/run_h200.sh PART... with PART in tests e2e kda indexer variants kernels memory step1m offload liger peak host switches extras"; exit 2 ;;
+*) echo "usage: bench/run_h200.sh PART... with PART in tests e2e sparse kda indexer variants kernels memory step1m offload liger peak host switches extras"; exit 2 ;;
 esac
 done
