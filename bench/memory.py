@@ -966,7 +966,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kda-conv", choices=["auto", "torch", "fla"],
                     help="the KDA short conv for every run (default auto: fla's causal_conv1d where KDA runs fla)")
     ap.add_argument("--kda-norm", choices=["auto", "torch", "fla"],
-                    help="KDA's gated output norm for every run (default auto = ours; fla: fla's fused kernel)")
+                    help="KDA's gated output norm for every run (default auto: fla's fused kernel where KDA runs fla; torch: ours)")
     ap.add_argument("--indexer-kernel", choices=["fused", "two_phase", "two_phase_radix"],
                     help="the indexers' Triton path for every run (default two_phase; fused: the one-kernel radix select)")
     ap.add_argument("--residual-impl", choices=["auto", "torch", "liger"],

@@ -100,7 +100,7 @@ class TrainConfig:
     k-th select, the default; fused: one radix-select kernel; two_phase_radix: our own k-th select,
     no faster than torch.topk on the H200); `kda_conv` KDA's short conv (auto = fla's causal_conv1d
     wherever KDA runs fla's kernel, a decoding or sequence-chunk state's window included); `kda_norm`
-    KDA's gated output norm (fla = fla's fused kernel; auto = torch until the H200 has compared them). "liger" / "fla" need CUDA and the library, and a run that asks for one where it cannot
+    KDA's gated output norm (auto = fla's fused kernel wherever KDA runs fla's kernel, as the conv). "liger" / "fla" need CUDA and the library, and a run that asks for one where it cannot
     run stops at its first step with a ConfigError; "auto" takes torch there and warns on CUDA.
     """
 
@@ -123,7 +123,7 @@ class TrainConfig:
     residual_impl: str = "auto"  # auto | torch | liger (mHC only); auto = liger on CUDA when it imports, torch otherwise
     indexer_kernel: str = "two_phase"  # fused | two_phase | two_phase_radix: the indexers' Triton path (GPU only)
     kda_conv: str = "auto"  # auto | torch | fla: KDA's short conv; auto = fla's where KDA runs fla's kernel
-    kda_norm: str = "auto"  # auto | torch | fla: KDA's gated output norm; auto = torch (fla's not yet compared on the GPU)
+    kda_norm: str = "auto"  # auto | torch | fla: KDA's gated output norm; auto = fla's where KDA runs fla's kernel
     memory: dict = field(default_factory=dict)  # the memory plan; validated by the memory system
     cuda_alloc: str = "expandable_segments:True"  # CUDA allocator settings (longctx.memory.allocator); "" = torch's
 

@@ -213,10 +213,10 @@ def test_fla_gated_norm_matches_ours_and_keeps_less(T):
     """norm_impl fla (fla's fused gated RMSNorm, sigmoid gate) against layers.norms.GatedRMSNorm on the
     same bf16 inputs: output (op tolerance) and the gradients of the input, the gate and the weight;
     fresh random inputs, 12 heads of 128 (h200-ref), T no multiple of any tile. And what each keeps
-    for backward (the saved-tensor meter): predicted per token 4 x HK x 4 + HK x 2 = 27,648 bytes for
-    ours (fp32 input, normalised input, weighted product, sigmoid(gate); the bf16 output is the next
-    op's) against HK x 2 x 2 + H x 4 = 6,192 for fla's (x, the gate, one fp32 rstd per row). Not yet run
-    on the GPU (written after call 22)."""
+    for backward (the saved-tensor meter): per token 4 x HK x 4 (+ 48) = 24,624 bytes for ours (fp32
+    input, normalised input, weighted product, sigmoid(gate)) against HK x 2 x 2 + H x 4 = 6,192 for
+    fla's (x, the gate, one fp32 rstd per row): both measured on the H200 (call 23), where the count
+    written before the run had said 27,648 for ours (it added the bf16 output, which is the next op's)."""
     from longctx.layers.norms import GatedRMSNorm
     from longctx.memory.meter import SavedTensorMeter
     from longctx.ops.kda import fla_gated_rms_norm

@@ -238,7 +238,7 @@ def test_conv_impl_rules():
 
 def test_norm_impl_rules():
     """norm_impl fla (fla's fused gated norm) needs CUDA and fla: one sentence naming the fix; auto is
-    ours everywhere until the H200 has compared them; an unknown value names the choices."""
+    ours where KDA runs the torch twin (the CPU); an unknown value names the choices."""
     from longctx.errors import ConfigError
 
     layer = KimiDeltaAttention(_cfg(), 0)

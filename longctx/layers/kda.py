@@ -35,7 +35,7 @@ from ..ops.kda import (
 from .norms import GatedRMSNorm
 
 BACKENDS = ("auto", "torch", "fla", "triton")
-NORM_IMPLS = ("auto", "torch", "fla")  # the gated output norm: ours (torch, fp32) or fla's fused kernel; auto = torch
+NORM_IMPLS = ("auto", "torch", "fla")  # the gated output norm: ours (torch, fp32) or fla's fused kernel; auto = fla's where KDA runs fla
 # until the H200 has compared them (bench/NOTES.md, "Next GPU calls")
 CONV_IMPLS = ("auto", "torch", "fla")  # the short conv: fla's Triton causal_conv1d where KDA runs fla (auto), or forced
 
@@ -172,14 +172,19 @@ class KimiDeltaAttention(nn.Module):
             return backend == "fla"
         return _require_fla(x, "conv", "kda_conv", "conv_impl")
 
-    def _norm_uses_fla(self, x: torch.Tensor) -> bool:
-        """"fla": fla's fused gated RMSNorm (weight * RMSNorm(o) * sigmoid(gate), SiLU-free), a ConfigError
-        where fla cannot run; "torch" and, for now, "auto": ours (layers/norms.GatedRMSNorm, fp32 inside,
-        four fp32 copies of the output kept for backward: ~21 KB/token more than fla's per KDA layer for
-        h200-ref). auto takes fla's once the GPU test compares them (tests/test_gpu_kda.py)."""
+    def _norm_uses_fla(self, x: torch.Tensor, backend: str) -> bool:
+        """"auto": fla's fused gated RMSNorm (weight * RMSNorm(o) * sigmoid(gate), SiLU-free) wherever the
+        layer's KDA kernel is fla's; "fla": the same, and a ConfigError where fla cannot run; "torch": ours
+        (layers/norms.GatedRMSNorm, fp32 inside). On the H200 (call 23) fla's matched ours within the GPU
+        test's bounds, kept 6,192 bytes per token for backward against ours' 24,624 (h200-ref's width),
+        and the 128k step ran 4.68 -> 4.55 s. `last_impl` ends in "+fla-norm" whenever fla's norm ran."""
         if self.norm_impl not in NORM_IMPLS:
             raise ConfigError(f"KDA norm_impl must be one of {', '.join(NORM_IMPLS)} (got {self.norm_impl!r}).")
-        return self.norm_impl == "fla" and _require_fla(x, "norm", "kda_norm", "norm_impl")
+        if self.norm_impl == "torch":
+            return False
+        if self.norm_impl == "auto":
+            return backend == "fla"
+        return _require_fla(x, "norm", "kda_norm", "norm_impl")
 
     def _pick_backend(self, x: torch.Tensor) -> str:
         if self.backend not in BACKENDS:
@@ -209,7 +214,7 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError("KimiDeltaAttention: decoding with a KDAState takes unpacked rows; drop cu_seqlens.")
         backend = self._pick_backend(x)
         conv_fla = self._conv_uses_fla(x, state, backend)
-        norm_fla = self._norm_uses_fla(x)
+        norm_fla = self._norm_uses_fla(x, backend)
         qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state, cu_seqlens,
                                conv_fla)
         q, k, v = (t.view(B, T, H, K) for t in qkv.split(H * K, -1))

@@ -67,7 +67,8 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
     """Bytes a block saves for its backward when it runs *without* recompute, by component (the bytes
     one block's recompute re-creates). `fla`: KDA through fla-core (a GPU) rather than the torch twin.
     Checked on the H200 against each sub-layer's recompute (allocated after minus before, call 22,
-    256k): fla KDA mixer 56.1 KB/token measured vs 55.9 counted here (+ its output); MoE 89.7 measured vs
+    256k): fla KDA mixer 56.1 KB/token measured vs 55.9 counted (+ its output) with our gated norm, 37.5
+    counted with fla's (the default since call 23; not yet measured per sub-layer); MoE 89.7 measured vs
     77.2 (the 12.5 KB/token gap is not explained; the CPU loop path saves what is counted here)."""
     D, n = cfg.hidden_size, cfg.hc_streams
     out = {}
@@ -83,10 +84,12 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
         if fla:
             # input x; the q/k/v projections (the conv's input) and the conv's output (fla's chunk_kda
             # keeps q, k, v in bf16 with fp32 rstd per head); the gate's low-rank and raw output, beta;
-            # chunk_kda's two [T, H, chunk] bf16 matrices; the gated norm's fp32 input, normalised input,
-            # weighted product and sigmoid(gate), its bf16 output (o_proj's input); the gate's low rank
+            # chunk_kda's two [T, H, chunk] bf16 matrices; fla's gated norm (the auto norm where KDA runs
+            # fla): its bf16 input and gate and one fp32 rstd per head (6,192 B/token measured at h200-ref's
+            # width, call 23; ours kept four fp32 rows, 24,624), its bf16 output (o_proj's input); the
+            # output gate's low rank
             per = D * a + 3 * HK * a * 2 + 2 * H * 4 + K * a + HK * a + H * a + 2 * H * cfg.kda_chunk_size * a
-            per += 4 * HK * 4 + HK * a + K * a
+            per += 2 * HK * a + H * 4 + HK * a + K * a
         else:
             # the torch twin: projections in, conv in/out (+ SiLU), L2-norm fp32 q/k, fp32 gate (+ pre-
             # activation), the core op's saved q/k/v/g/beta and chunk states, gated norm (fp32), o_proj input
