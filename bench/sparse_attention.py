@@ -6,7 +6,6 @@ Sparse problem: q [1,S,H,512] bf16, kv [1,S,512], K=2051 DSA-like causal indices
 earlier tokens + the visible tail). TFLOP/s use the nominal count 2*K*H*(512+512) per query for the
 forward (slots that are -1 in the first 2k queries are counted too: <1% of queries at 32k) and 2.5x
 that for the backward. Dense comparison (the SPEC's): causal SDPA, H heads of 128 for qk and v, fwd+bwd.
-The backward is also timed with scalar dkv atomics (VEC_ATOMIC=0, the kernel before the vector atomics).
 Writes DIR/sparse_attention.json.
 """
 
@@ -36,7 +35,7 @@ def fwd_flops(S: int, H: int) -> float:
     return 2.0 * K * H * (D + D) * S
 
 
-def sparse_case(S, H, warmup, reps, do_bwd=True, cfg_f=None, cfg_b=None, baseline_atomics=False):
+def sparse_case(S, H, warmup, reps, do_bwd=True, cfg_f=None, cfg_b=None):
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
     kv = torch.randn(1, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -53,13 +52,6 @@ def sparse_case(S, H, warmup, reps, do_bwd=True, cfg_f=None, cfg_b=None, baselin
         out["bwd_tflops"] = 2.5 * fwd_flops(S, H) / out["bwd_ms"] / 1e9
         out["bwd_kernel"] = dict(tk.LAST_LAUNCH.get("bwd", {}))
         out["fwd_bwd_ms"] = out["fwd_ms"] + out["bwd_ms"]
-        if baseline_atomics and (cfg_b or {}).get("VEC_ATOMIC", 1) != 0:
-            # the same backward with one scalar fp32 atomic per dkv element (the kernel before the
-            # vector atomics), timed in the same run
-            c0 = dict(cfg_b or {}, VEC_ATOMIC=0)
-            out["bwd_scalar_atomics_ms"] = timed(lambda: tk.sparse_attention_bwd(q, kv, idx, o, lse, do, scale, cfg=c0),
-                                                 warmup, reps)
-            out["bwd_scalar_atomics_tflops"] = 2.5 * fwd_flops(S, H) / out["bwd_scalar_atomics_ms"] / 1e9
     return out
 
 
@@ -132,7 +124,7 @@ def main():
             else:
                 do_bwd = need_b <= args.mem_gib * GIB
                 print(f"S={S} H={H}: sparse ...", flush=True)
-                row["sparse"] = sparse_case(S, H, warmup, reps, do_bwd=do_bwd, baseline_atomics=True)
+                row["sparse"] = sparse_case(S, H, warmup, reps, do_bwd=do_bwd)
                 torch.cuda.empty_cache()
                 if not do_bwd:
                     row["sparse"]["bwd"] = f"skipped: needs {need_b / GIB:.0f} GiB"

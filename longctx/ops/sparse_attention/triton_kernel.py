@@ -122,40 +122,6 @@ def _sparse_attn_fwd(
 
 
 @triton.jit
-def _red_add_v4(ptr, a, b, c, d, mask):
-    """*ptr[0:4] += (a, b, c, d) with one `red.global.add.v4.f32` (sm_90, PTX 8.1; ptr 16-byte aligned):
-    one instruction and one L2 operation where scalar atomics take four, and no returned value."""
-    return tl.inline_asm_elementwise(
-        asm="{ .reg .pred p; setp.ne.b32 p, $6, 0; @p red.global.add.v4.f32 [$1], {$2, $3, $4, $5}; mov.b32 $0, 0; }",
-        constraints="=r,l,f,f,f,f,r", args=[ptr.to(tl.int64), a, b, c, d, mask.to(tl.int32)], dtype=tl.int32,
-        is_pure=False, pack=1)
-
-
-@triton.jit
-def _add_quads(dkv_base, dkv_t, j, valid, stride_dks, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_N: tl.constexpr, MODE: tl.constexpr):
-    """dkv[j[n], d] += dkv_t[d, n], four contiguous d at a time. The MMA's accumulator gives a thread
-    rows d and d+8, so the tile is split into its quads (d = 4i + 2a + c): tl.split keeps the split
-    axis inside one thread, so the four [BLOCK_D/4, BLOCK_N] parts hold, element for element, the four
-    floats of one 16-byte run of a dkv row. MODE 1 adds them with one vector atomic, MODE 2 with four
-    scalar ones (what the CPU interpreter runs: the same quads, no inline PTX)."""
-    x = tl.permute(tl.reshape(dkv_t, [BLOCK_D // 4, 2, 2, BLOCK_N]), (0, 3, 1, 2))  # [i, n, a, c]
-    xc0, xc1 = tl.split(x)  # c = 0, 1: [i, n, a]
-    v0, v2 = tl.split(xc0)  # d = 4i, 4i + 2
-    v1, v3 = tl.split(xc1)  # d = 4i + 1, 4i + 3
-    offs_q = tl.arange(0, BLOCK_D // 4) * 4
-    ptr = dkv_base + j[None, :] * stride_dks + offs_q[:, None]
-    m = valid[None, :] & (offs_q < D)[:, None]  # D % 16 == 0: a quad is wholly in or out
-    if MODE == 1:
-        _red_add_v4(ptr, v0, v1, v2, v3, m)
-    else:
-        tl.atomic_add(ptr, v0, mask=m, sem="relaxed")
-        tl.atomic_add(ptr + 1, v1, mask=m, sem="relaxed")
-        tl.atomic_add(ptr + 2, v2, mask=m, sem="relaxed")
-        tl.atomic_add(ptr + 3, v3, mask=m, sem="relaxed")
-
-
-@triton.jit
 def _sparse_attn_bwd(
     Q, KV, IDX, O, DO, LSE, DQ, DKV,
     scale, qk_scale,
@@ -171,7 +137,6 @@ def _sparse_attn_bwd(
     K: tl.constexpr,  # slots per query; constexpr so the interpreter (numpy>=2.3) can loop over it
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,  # "ieee" for fp32 inputs (exact reference checks), else unused by bf16 MMAs
-    VEC_ATOMIC: tl.constexpr,  # dkv's atomics: 0 scalar, 1 red.global.add.v4.f32 (sm_90), 2 quads, scalar adds
 ):
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BLOCK_H
@@ -217,11 +182,8 @@ def _sparse_attn_bwd(
         # shared-memory copies the score products already use
         dkv_t = tl.dot(tl.trans(do), p.to(k.dtype), input_precision=PREC)
         dkv_t = tl.dot(tl.trans(q), (ds * scale).to(k.dtype), dkv_t, input_precision=PREC)
-        if VEC_ATOMIC == 0:  # one scalar fp32 atomic per element (triton's atomic_add)
-            tl.atomic_add(dkv_base + j[None, :] * stride_dks + offs_d[:, None], dkv_t,
-                          mask=valid[None, :] & d_ok[:, None], sem="relaxed")
-        else:  # four contiguous d per thread: one vector atomic per quad (see _add_quads)
-            _add_quads(dkv_base, dkv_t, j, valid, stride_dks, D, BLOCK_D, BLOCK_N, VEC_ATOMIC)
+        tl.atomic_add(dkv_base + j[None, :] * stride_dks + offs_d[:, None], dkv_t,
+                      mask=valid[None, :] & d_ok[:, None], sem="relaxed")
 
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + t * stride_dqs + offs_h[:, None] * stride_dqh + offs_d[None, :],
@@ -277,11 +239,7 @@ def _cfg(H: int, D: int, backward: bool) -> dict:
     if backward:  # dq [H, D] and a dkv^T [D, BLOCK_N] tile both live in registers
         # num_stages=1 miscompiles here (triton 3.6: invalid shared-memory reads), so always 2
         n, warps = (32, 8) if big else (16, 4)
-        # vector atomics need sm_90's red.v4.f32 (inline PTX: not under the interpreter, which runs the
-        # same quads with scalar adds)
-        vec = 2 if _interpreting() else 1
-        return {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_N": n, "num_warps": warps, "num_stages": 2,
-                "VEC_ATOMIC": vec}
+        return {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_N": n, "num_warps": warps, "num_stages": 2}
     n, warps = (32, 8) if big else (64, 4)
     return {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_N": n, "num_warps": warps, "num_stages": 2, "LOOKAHEAD": big}
 
@@ -350,7 +308,7 @@ def sparse_attention_bwd(q, kv, idx, o, lse, do, scale, cfg=None):
         dkv.stride(0), dkv.stride(1),
         kv.shape[1], H, K=K,
         D=D, BLOCK_D=c["BLOCK_D"], BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", VEC_ATOMIC=c["VEC_ATOMIC"],
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     _note_launch("bwd", kern, c)
