@@ -144,6 +144,37 @@ def test_chunked_equals_unchunked(combine):
     torch.testing.assert_close(chk.last_load, ref.last_load)
 
 
+def test_weighted_combine_matches_index_add_and_keeps_only_the_expert_outputs():
+    """The combine (moe_bf16_combine on) against the plain zeros.index_add_(0, token, ys * w) in fp64:
+    output and both gradients; what each keeps for backward: the plain form keeps its [k x tokens,
+    hidden] products too (index_add_ saves its source), ours only the experts' outputs."""
+    from longctx.layers.moe import _WeightedCombine
+
+    g = torch.Generator().manual_seed(0)
+    t, k, D = 13, 3, 8
+    ys = torch.randn(t * k, D, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(t, k, generator=g, dtype=torch.float64, requires_grad=True)
+    order = torch.randperm(t * k, generator=g)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(t * k)
+    dy = torch.randn(t, D, generator=g, dtype=torch.float64)
+    runs = {}
+    for name in ("plain", "ours"):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+            if name == "plain":
+                y = torch.zeros(t, D, dtype=torch.float64).index_add_(0, order // k, ys * w.flatten()[order][:, None])
+            else:
+                y = _WeightedCombine.apply(ys, w, order, inv)
+        gys, gw = torch.autograd.grad(y, (ys, w), dy)
+        rows = [x for x in saved if x.is_floating_point() and x.shape == (t * k, D)]
+        runs[name] = (y, gys, gw, rows)
+    for a, b in zip(runs["ours"][:3], runs["plain"][:3]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    assert len(runs["plain"][3]) == 2  # ys (for w's gradient) and the product (index_add_'s source)
+    assert len(runs["ours"][3]) == 1 and runs["ours"][3][0].data_ptr() == ys.data_ptr()
+
+
 def test_router_logits_save_input_dtype_and_match_autograd():
     moe = MoE(make_cfg(), 0)
     randomize(moe, 5)
