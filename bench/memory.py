@@ -406,7 +406,7 @@ class Bench:
 
     def estimate(self, plan: MemoryPlan, S: int) -> dict:
         e = est.estimate(self.cfg, S, plan, gpu=self.dev.gpu_key, act_bytes=self.act_bytes,
-                         residual_impl=self.impls["residual"])
+                         residual_impl=self.impls["residual"], kda_norm=self.impls["kda_norm"])
         return {"estimate_gib": e["gpu_bytes"] / GIB, "estimate_host_gib": e["host_bytes"] / GIB,
                 "estimate_fits": e["fits"]}
 
@@ -469,7 +469,7 @@ class Bench:
         # measure() read the counter of the last interval only: the step's peak is the running max
         r["peak_allocated_gib"] = marks[-1][2] / GIB
         e_full = est.estimate(self.cfg, S, plan, gpu=self.dev.gpu_key, act_bytes=self.act_bytes,
-                              residual_impl=self.impls["residual"])
+                              residual_impl=self.impls["residual"], kda_norm=self.impls["kda_norm"])
         est_gib = e_full["gpu_bytes"] / GIB
         head = (f"{self.res['command']}\n{name} at {S}: measured peak {r['peak_allocated_gib']:.2f} GiB, "
                 f"estimate {est_gib:.2f} GiB\n")
@@ -835,7 +835,8 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
                 ""]
         arows = []
         for a in bl.get("attempts", []):
-            e = est.estimate(cfg, a["seq_len"], base_plan, 1, "h200", 2)["gpu_bytes"] / GIB
+            norm = "fla" if "+fla-norm" in (a.get("impl") or "") else "torch"  # as run_estimate_args
+            e = est.estimate(cfg, a["seq_len"], base_plan, 1, "h200", 2, kda_norm=norm)["gpu_bytes"] / GIB
             ok = a["status"] == "ok"
             arows.append([f"{a['seq_len']:,}", a["status"], _f(a.get("peak_allocated_gib") if ok else None),
                           _f(a.get("peak_reserved_gib") if ok else None), _f(e),
@@ -848,8 +849,8 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
         prows, phase_tables = [], []
         for key, p in sorted(res["peaks"].items()):
             S, name = key.split(":", 1)
-            plan, residual = run_estimate_args({"plan": p["plan"], "impl": p.get("impl")})
-            e_full = est.estimate(cfg, int(S), plan, 1, "h200", 2, residual_impl=residual)
+            plan, residual, norm = run_estimate_args({"plan": p["plan"], "impl": p.get("impl")})
+            e_full = est.estimate(cfg, int(S), plan, 1, "h200", 2, residual_impl=residual, kda_norm=norm)
             e = e_full["gpu_bytes"] / GIB
             between = " .. ".join(f"'{m}'" for m in p.get("peak_between") or [])
             prows.append([name, f"{int(S):,}", _f(p.get("peak_allocated_gib")), _f(e), _err(e, p.get("peak_allocated_gib")),
@@ -911,15 +912,16 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
     return "\n".join(out)
 
 
-def run_estimate_args(r: dict) -> tuple[MemoryPlan, str]:
-    """The plan and residual_impl a recorded run ran with, for the current estimator: the mHC path from the
-    run's impl record (mhc:liger / mhc:torch), and mhc_chunk 0 for runs recorded before that switch
-    existed (they ran liger's whole-sequence Functions wherever they ran liger)."""
+def run_estimate_args(r: dict) -> tuple[MemoryPlan, str, str]:
+    """The plan, residual_impl and kda_norm a recorded run ran with, for the current estimator: the mHC path
+    from the run's impl record (mhc:liger / mhc:torch), KDA's norm from it too (fla's where it says
+    "+fla-norm"; every run recorded before fla's norm existed ran ours), and mhc_chunk 0 for runs recorded
+    before that switch existed (they ran liger's whole-sequence Functions wherever they ran liger)."""
     d = dict(r["plan"])
     d.setdefault("mhc_chunk", 0)
     impl = r.get("impl") or ""
     residual = "liger" if "mhc:liger" in impl else "torch" if "mhc:torch" in impl else "auto"
-    return MemoryPlan.from_dict(d), residual
+    return MemoryPlan.from_dict(d), residual, "fla" if "+fla-norm" in impl else "torch"
 
 
 def report(files, out: Path) -> int:
@@ -932,9 +934,9 @@ def report(files, out: Path) -> int:
     cfg = preset("h200-ref")
     estimates = {}
     for r in res["runs"]:
-        plan, residual = run_estimate_args(r)
-        estimates[(r["config"], r["seq_len"])] = est.estimate(cfg, r["seq_len"], plan, 1, "h200", 2,
-                                                              residual_impl=residual)["gpu_bytes"] / GIB
+        plan, residual, norm = run_estimate_args(r)
+        estimates[(r["config"], r["seq_len"])] = est.estimate(cfg, r["seq_len"], plan, 1, "h200", 2, residual_impl=residual,
+                                                              kda_norm=norm)["gpu_bytes"] / GIB
     out.mkdir(parents=True, exist_ok=True)
     (out / "memory.json").write_text(json.dumps(res, indent=1) + "\n")
     figure(res, out / "memory.png", estimates)

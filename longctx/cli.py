@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--set", action="append", metavar="SWITCH=VALUE", help="force a memory switch, e.g. offload=0")
     m.add_argument("--residual-impl", default="auto", choices=("auto", "torch", "liger"),
                    help="the mHC path the run will take (the training setting residual_impl; auto = liger on a GPU)")
+    m.add_argument("--kda-norm", default="auto", choices=("auto", "torch", "fla"),
+                   help="KDA's gated output norm (the training setting kda_norm; auto = fla's on a GPU)")
     m.add_argument("--phases", action="store_true", help="also print each phase of the step (end of the forward, "
                    "each block's backward, each chunk case) with its estimated GPU total")
     m.add_argument("--json", action="store_true")

@@ -194,7 +194,8 @@ class Trainer:
 
         L = self.eval_set.shape[1] - 1
         plan, _ = resolve_auto(MemoryPlan.from_dict(self.cfg.memory), self.cfg.model, L, self.device,
-                               resolve_dtype(self.cfg.dtype, self.device).itemsize, self.cfg.residual_impl)
+                               resolve_dtype(self.cfg.dtype, self.device).itemsize, self.cfg.residual_impl,
+                               self.cfg.kda_norm)
         c = plan.seq_chunk_tokens()
         return SequenceChunker(c).token_losses if 0 < c < L else None
 
@@ -336,7 +337,7 @@ class Trainer:
             from .memory.estimate import device_gpu_key, estimate
 
             e = estimate(self.cfg.model, stage.seq_len * stage.batch_size, plan, 1, device_gpu_key(self.device),
-                         self.dtype.itemsize, residual_impl=self.cfg.residual_impl)
+                         self.dtype.itemsize, residual_impl=self.cfg.residual_impl, kda_norm=self.cfg.kda_norm)
             self.stage_estimate_gib = e["gpu_bytes"] / 2**30
         if not self.quiet:
             self.log(f"memory plan: {plan.describe()}")

@@ -623,8 +623,9 @@ def test_estimate_counts_liger_mhc_post_res_backward():
     from memory import run_estimate_args
 
     old = {k: v for k, v in on.to_dict().items() if k != "mhc_chunk"}
-    assert run_estimate_args({"plan": old, "impl": "mhc:liger x24"}) == (off, "liger")
-    assert run_estimate_args({"plan": on.to_dict(), "impl": "mhc:torch x24"}) == (on, "torch")
+    assert run_estimate_args({"plan": old, "impl": "mhc:liger x24"}) == (off, "liger", "torch")
+    assert run_estimate_args({"plan": on.to_dict(), "impl": "kda:fla-chunk+fla-conv+fla-norm x9, mhc:torch x24"}) == \
+        (on, "torch", "fla")
 
 
 def test_estimate_counts_the_autocast_cached_copies_not_the_experts():

@@ -63,9 +63,10 @@ def _params_of(cfg_json: str) -> int:
 
 
 def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan: MemoryPlan, a: int = 2,
-                            fla: bool = False) -> dict:
+                            fla: bool = False, fla_norm: bool = False) -> dict:
     """Bytes a block saves for its backward when it runs *without* recompute, by component (the bytes
-    one block's recompute re-creates). `fla`: KDA through fla-core (a GPU) rather than the torch twin.
+    one block's recompute re-creates). `fla`: KDA through fla-core (a GPU) rather than the torch twin;
+    `fla_norm`: its gated output norm through fla's kernel too (the default there) rather than ours.
     Checked on the H200 against each sub-layer's recompute (allocated after minus before, call 22,
     256k): fla KDA mixer 56.1 KB/token measured vs 55.9 counted (+ its output) with our gated norm, 37.5
     counted with fla's (the default since call 23; not yet measured per sub-layer); MoE 89.7 measured vs
@@ -89,7 +90,8 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
             # width, call 23; ours kept four fp32 rows, 24,624), its bf16 output (o_proj's input); the
             # output gate's low rank
             per = D * a + 3 * HK * a * 2 + 2 * H * 4 + K * a + HK * a + H * a + 2 * H * cfg.kda_chunk_size * a
-            per += 2 * HK * a + H * 4 + HK * a + K * a
+            # ours (kda_norm torch): its fp32 input, normalised input, weighted product and sigmoid(gate)
+            per += (2 * HK * a + H * 4 if fla_norm else 4 * HK * 4) + HK * a + K * a
         else:
             # the torch twin: projections in, conv in/out (+ SiLU), L2-norm fp32 q/k, fp32 gate (+ pre-
             # activation), the core op's saved q/k/v/g/beta and chunk states, gated norm (fp32), o_proj input
@@ -111,8 +113,9 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
         out["mlp"] = S * (D * a + 6 * cfg.intermediate_size * a)
     else:
         k, I = cfg.experts_per_token, cfg.moe_intermediate_size
-        # input, the gathered rows, the SwiGLU, the expert outputs (kept by the combine's product)
-        per = D * a + D * a * k + k * 6 * I * a + k * D * (a if plan.moe_bf16_combine else 4)
+        # input, the gathered rows, the SwiGLU, the expert outputs (kept by the combine; the fp32
+        # combine's index_add_ keeps its fp32 products as well)
+        per = D * a + D * a * k + k * 6 * I * a + k * D * (a if plan.moe_bf16_combine else a + 4)
         per += cfg.n_shared_experts * 6 * I * a + (0 if plan.router_release else cfg.n_routed_experts * 4 * 2)
         out["moe"] = S * per
         # the experts' bf16 copies (cast per call, layers/moe.py), saved by the grouped matmuls: one set
@@ -217,7 +220,8 @@ def _kept_selections(cfg: ModelConfig, plan: MemoryPlan) -> list[bool]:
     return out
 
 
-def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: int, residual_impl: str) -> dict:
+def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: int, residual_impl: str,
+                      kda_norm: str) -> dict:
     """Sequence-chunked step (memory/sequence_chunks.py): the block-level estimate of one chunk of C
     tokens, plus what stays O(S): per DSA layer the latent rows and their fp32 gradient buffer, the
     pooled indexer keys, the selections (pinned host), and the KDA carries at each chunk start; the
@@ -235,10 +239,10 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
     L = cfg.kv_lora_rank
     per_row = L * a if "D" in kinds else 0  # the concatenated latent rows the kernel reads
-    cases = [("last chunk", estimate(cfg, min(C, S), inner, 1, gpu, a, residual_impl=residual_impl, _chunk="last",
+    cases = [("last chunk", estimate(cfg, min(C, S), inner, 1, gpu, a, residual_impl=residual_impl, kda_norm=kda_norm, _chunk="last",
                                      _dsa_prefix=S * per_row))]
     if n_chunks > 1:
-        cases.append(("earlier chunks", estimate(cfg, C, inner, 1, gpu, a, residual_impl=residual_impl, _chunk="earlier",
+        cases.append(("earlier chunks", estimate(cfg, C, inner, 1, gpu, a, residual_impl=residual_impl, kda_norm=kda_norm, _chunk="earlier",
                                                  _dsa_prefix=(S - C) * per_row)))
     kept = {}
     for i, k in enumerate(kinds):
@@ -286,10 +290,11 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
 
 
 def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200", act_bytes: int = 2,
-             residual_impl: str = "auto", _chunk: str = "", _dsa_prefix: int = 0) -> dict:
+             residual_impl: str = "auto", kda_norm: str = "auto", _chunk: str = "", _dsa_prefix: int = 0) -> dict:
     """The breakdown (bytes) for one step of S tokens per sequence split over `cp` GPUs.
     `act_bytes`: bytes per activation element (2 under bf16 autocast; 4 for an fp32 model).
     `residual_impl`: the training setting (auto | torch | liger); liger's mHC adds a backward transient.
+    `kda_norm`: the training setting (auto | torch | fla); auto is fla's norm where KDA runs fla (a GPU).
 
     The peak is the largest of the step's phases: the end of the forward (every kept tensor, the
     autocast's bf16 weight copies, the loss), and the backward of each block, last to first (the
@@ -303,7 +308,7 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
         raise ConfigError(f"--gpu {gpu!r} is unknown; choose one of {', '.join(GPUS)}.")
     S_local = -(-S // cp)
     if plan.seq_chunk_tokens() and plan.seq_chunk_tokens() < S_local:
-        return dict(_estimate_chunked(cfg, S_local, plan, gpu, act_bytes, residual_impl), seq_len=S, cp=cp)
+        return dict(_estimate_chunked(cfg, S_local, plan, gpu, act_bytes, residual_impl, kda_norm), seq_len=S, cp=cp)
     n_params = _params(cfg)
     kinds, mlps = cfg.layer_kinds(), cfg.mlp_kinds()
     L = len(kinds)
@@ -316,7 +321,8 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     n_off = plan.offload_blocks()
     kept_gpu, kept_host = {}, {}
     fla = gpu not in ("cpu", "smoke")  # KDA through fla-core on a GPU (the layer's `auto`)
-    per_block = [_block_activation_bytes(cfg, k, m, S_local, plan, a, fla) for k, m in zip(kinds, mlps)]
+    fla_norm = kda_norm == "fla" or (kda_norm == "auto" and fla)
+    per_block = [_block_activation_bytes(cfg, k, m, S_local, plan, a, fla, fla_norm) for k, m in zip(kinds, mlps)]
     sel = S_local * cfg.index_width() * 4
     keeps_sel = _kept_selections(cfg, plan)
     kl = _indexer_kl_kept(cfg, S_local, a)
@@ -379,7 +385,7 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
 
 
 def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200",
-              act_bytes: int = 2, residual_impl: str = "auto") -> tuple[MemoryPlan, dict]:
+              act_bytes: int = 2, residual_impl: str = "auto", kda_norm: str = "auto") -> tuple[MemoryPlan, dict]:
     """Resolve recompute/offload/seq_chunk "auto": the cheapest that fits — no recompute, else
     recompute, else recompute + offload of as few blocks as needed, else the sequence in chunks
     (the largest power-of-two chunk that fits, recompute on inside a chunk)."""
@@ -403,7 +409,7 @@ def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str 
             c //= 2
     last = None
     for c in choices:
-        e = estimate(cfg, S, c, cp, gpu, act_bytes, residual_impl=residual_impl)
+        e = estimate(cfg, S, c, cp, gpu, act_bytes, residual_impl=residual_impl, kda_norm=kda_norm)
         last = (c, e)
         if e["fits"]:
             return c, e
@@ -422,11 +428,11 @@ def device_gpu_key(device) -> str:
 
 
 def resolve_auto(plan: MemoryPlan, cfg: ModelConfig, tokens: int, device,
-                 act_bytes: int = 2, residual_impl: str = "auto") -> tuple[MemoryPlan, dict | None]:
+                 act_bytes: int = 2, residual_impl: str = "auto", kda_norm: str = "auto") -> tuple[MemoryPlan, dict | None]:
     """Resolve "auto" switches for this device; returns (plan, its estimate or None)."""
     if "auto" not in (plan.recompute, plan.offload, plan.seq_chunk):
         return plan, None
-    return auto_plan(cfg, tokens, plan, 1, device_gpu_key(device), act_bytes, residual_impl)
+    return auto_plan(cfg, tokens, plan, 1, device_gpu_key(device), act_bytes, residual_impl, kda_norm)
 
 
 def format_report(e: dict, phases: bool = False) -> str:
@@ -474,7 +480,8 @@ def main(a) -> int:
         is_int = v.lstrip("-").isdigit() and k not in ("offload",)
         forced[k] = {"true": True, "false": False}.get(v.lower(), int(v) if is_int else v)
     plan = MemoryPlan.from_dict(forced)
-    plan, e = auto_plan(cfg, a.seq_len, plan, a.cp, a.gpu, residual_impl=a.residual_impl)
+    plan, e = auto_plan(cfg, a.seq_len, plan, a.cp, a.gpu, residual_impl=a.residual_impl,
+                        kda_norm=getattr(a, "kda_norm", "auto"))
     if a.json:
         print(json.dumps(e, indent=2))
     else:

@@ -190,7 +190,7 @@ def plan_for_stage(cfg, stage, device, stage_index: int = 0) -> MemoryPlan:
 
     act_bytes = resolve_dtype(cfg.dtype, torch.device(device)).itemsize  # activations in the autocast dtype
     resolved, est = resolve_auto(plan, cfg.model, stage.seq_len * stage.batch_size, device, act_bytes,
-                                 getattr(cfg, "residual_impl", "auto"))
+                                 getattr(cfg, "residual_impl", "auto"), getattr(cfg, "kda_norm", "auto"))
     if est is not None and not est["fits"]:
         raise ConfigError(
             f"stages.{stage_index}.seq_len ({stage.seq_len:,} x batch {stage.batch_size}) does not fit on this device even with "
