@@ -69,8 +69,9 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
     `fla_norm`: its gated output norm through fla's kernel too (the default there) rather than ours.
     Checked on the H200 against each sub-layer's recompute (allocated after minus before, call 22,
     256k): fla KDA mixer 56.1 KB/token measured vs 55.9 counted (+ its output) with our gated norm, 37.5
-    counted with fla's (the default since call 23; not yet measured per sub-layer); MoE 89.7 measured vs
-    77.2 (the 12.5 KB/token gap is not explained; the CPU loop path saves what is counted here)."""
+    counted with fla's (the default since call 23; 37.7 measured at 128k, call 27); MoE 89.7 measured vs
+    77.2 counted: the gap was the plain combine's index_add_ keeping its source, 12.3 KB/token, gone
+    with `moe._WeightedCombine` (after call 27; not yet measured on the GPU)."""
     D, n = cfg.hidden_size, cfg.hc_streams
     out = {}
     # residual connections: collapse input, norms, the expand (2 per block); mHC keeps its fp32
