@@ -173,6 +173,14 @@ def test_weighted_combine_matches_index_add_and_keeps_only_the_expert_outputs():
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
     assert len(runs["plain"][3]) == 2  # ys (for w's gradient) and the product (index_add_'s source)
     assert len(runs["ours"][3]) == 1 and runs["ours"][3][0].data_ptr() == ys.data_ptr()
+    # a chunk with no tokens (a zero-length shard): empty output and gradients, no error
+    e_ys = torch.zeros(0, D, dtype=torch.float64, requires_grad=True)
+    e_w = torch.zeros(0, k, dtype=torch.float64, requires_grad=True)
+    none = torch.zeros(0, dtype=torch.long)
+    y0 = _WeightedCombine.apply(e_ys, e_w, none, none)
+    assert y0.shape == (0, D)
+    y0.sum().backward()
+    assert e_ys.grad.shape == (0, D) and e_w.grad.shape == (0, k)
 
 
 def test_router_logits_save_input_dtype_and_match_autograd():

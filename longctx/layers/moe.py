@@ -226,21 +226,21 @@ class _WeightedCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ys, w, order, inv):
-        t, k = w.shape
-        out = torch.bmm(w.to(ys.dtype).unsqueeze(1), ys[inv].view(t, k, -1)).squeeze(1)
+        (t, k), D = w.shape, ys.shape[-1]  # D named: a chunk with no tokens cannot infer it
+        out = torch.bmm(w.to(ys.dtype).unsqueeze(1), ys[inv].view(t, k, D)).squeeze(1)
         ctx.save_for_backward(ys, w, order, inv)
         return out
 
     @staticmethod
     def backward(ctx, g):
         ys, w, order, inv = ctx.saved_tensors
-        t, k = w.shape
+        (t, k), D = w.shape, ys.shape[-1]
         g = g.to(ys.dtype)
         gys = gw = None
         if ctx.needs_input_grad[0]:  # row (t, j) of ys gets w[t, j] * g[t]; back to expert order
-            gys = (g.unsqueeze(1) * w.to(ys.dtype).unsqueeze(-1)).view(t * k, -1)[order]
+            gys = (g.unsqueeze(1) * w.to(ys.dtype).unsqueeze(-1)).view(t * k, D)[order]
         if ctx.needs_input_grad[1]:
-            gw = torch.bmm(ys[inv].view(t, k, -1), g.unsqueeze(-1)).squeeze(-1).to(w.dtype)
+            gw = torch.bmm(ys[inv].view(t, k, D), g.unsqueeze(-1)).squeeze(-1).to(w.dtype)
         return gys, gw, None, None
 
 
