@@ -7,7 +7,9 @@ normalised over the chosen k and scaled by routed_scaling_factor; plus a shared 
 
 Training layout: the k * T (token, expert) pairs are sorted by expert so that each expert reads one
 contiguous slice, run as one `torch._grouped_mm` on CUDA (it takes bf16 only) or a loop over experts
-otherwise (`last_impl` says which ran), and summed back per token with `index_add_`. Nothing of the router outlives the forward (seed 000,
+otherwise (`last_impl` says which ran), and put back in token order and summed per token by `_WeightedCombine`
+(a permutation gather and a batched product; the fp32 combine, a memory switch turned off, uses `index_add_`).
+Nothing of the router outlives the forward (seed 000,
 "router release": a tensor kept on the module pins a recomputed graph for the rest of backward).
 
 Quantile balancing (seed 001 section 3; Su, "MoE环游记 6"). The balanced assignment is the LP
@@ -222,7 +224,7 @@ class _WeightedCombine(torch.autograd.Function):
     weights' gradient needs it), w and the two permutations. The plain form,
     zeros.index_add_(0, token, ys * w), also keeps the [k x tokens, hidden] product (index_add_ saves
     its source): 12.3 KB per token and MoE layer at h200-ref, which the H200's allocation trace showed
-    alive (call 27; the MoE's 12.5 KB/token over the count). No atomics either way but index_add_'s."""
+    alive (call 27; the MoE's 12.5 KB/token over the count). Unlike index_add_, no atomics."""
 
     @staticmethod
     def forward(ctx, ys, w, order, inv):
