@@ -835,8 +835,8 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
                 ""]
         arows = []
         for a in bl.get("attempts", []):
-            norm = "fla" if "+fla-norm" in (a.get("impl") or "") else "torch"  # as run_estimate_args
-            e = est.estimate(cfg, a["seq_len"], base_plan, 1, "h200", 2, kda_norm=norm)["gpu_bytes"] / GIB
+            _, kw = run_estimate_args({"plan": {}, "impl": a.get("impl"), "source": bl.get("source")})
+            e = est.estimate(cfg, a["seq_len"], base_plan, 1, "h200", 2, **kw)["gpu_bytes"] / GIB
             ok = a["status"] == "ok"
             arows.append([f"{a['seq_len']:,}", a["status"], _f(a.get("peak_allocated_gib") if ok else None),
                           _f(a.get("peak_reserved_gib") if ok else None), _f(e),
@@ -849,8 +849,8 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
         prows, phase_tables = [], []
         for key, p in sorted(res["peaks"].items()):
             S, name = key.split(":", 1)
-            plan, residual, norm = run_estimate_args({"plan": p["plan"], "impl": p.get("impl")})
-            e_full = est.estimate(cfg, int(S), plan, 1, "h200", 2, residual_impl=residual, kda_norm=norm)
+            plan, kw = run_estimate_args({"plan": p["plan"], "impl": p.get("impl"), "source": p.get("source")})
+            e_full = est.estimate(cfg, int(S), plan, 1, "h200", 2, **kw)
             e = e_full["gpu_bytes"] / GIB
             between = " .. ".join(f"'{m}'" for m in p.get("peak_between") or [])
             prows.append([name, f"{int(S):,}", _f(p.get("peak_allocated_gib")), _f(e), _err(e, p.get("peak_allocated_gib")),
@@ -912,16 +912,24 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
     return "\n".join(out)
 
 
-def run_estimate_args(r: dict) -> tuple[MemoryPlan, str, str]:
-    """The plan, residual_impl and kda_norm a recorded run ran with, for the current estimator: the mHC path
-    from the run's impl record (mhc:liger / mhc:torch), KDA's norm from it too (fla's where it says
-    "+fla-norm"; every run recorded before fla's norm existed ran ours), and mhc_chunk 0 for runs recorded
-    before that switch existed (they ran liger's whole-sequence Functions wherever they ran liger)."""
+LAST_CALL_WITH_PLAIN_NORMS = 27  # runs of calls up to this one ran the RMSNorms as plain autograd
+
+
+def run_estimate_args(r: dict) -> tuple[MemoryPlan, dict]:
+    """The plan and the estimator's implementation arguments for a recorded run: the mHC path from the
+    run's impl record (mhc:liger / mhc:torch), KDA's norm from it too (fla's where it says "+fla-norm";
+    every run recorded before fla's norm existed ran ours), plain-autograd RMSNorms for calls up to
+    LAST_CALL_WITH_PLAIN_NORMS (by the call number of its source file; a run without one is taken as
+    recent), and mhc_chunk 0 for runs recorded before that switch existed (they ran liger's
+    whole-sequence Functions wherever they ran liger)."""
     d = dict(r["plan"])
     d.setdefault("mhc_chunk", 0)
     impl = r.get("impl") or ""
     residual = "liger" if "mhc:liger" in impl else "torch" if "mhc:torch" in impl else "auto"
-    return MemoryPlan.from_dict(d), residual, "fla" if "+fla-norm" in impl else "torch"
+    call = _call_number(Path(r.get("source") or "").name)
+    plain = call is not None and int(re.match(r"\d+", call).group()) <= LAST_CALL_WITH_PLAIN_NORMS
+    return MemoryPlan.from_dict(d), {"residual_impl": residual, "kda_norm": "fla" if "+fla-norm" in impl else "torch",
+                                     "plain_norms": plain}
 
 
 def report(files, out: Path) -> int:
@@ -934,9 +942,8 @@ def report(files, out: Path) -> int:
     cfg = preset("h200-ref")
     estimates = {}
     for r in res["runs"]:
-        plan, residual, norm = run_estimate_args(r)
-        estimates[(r["config"], r["seq_len"])] = est.estimate(cfg, r["seq_len"], plan, 1, "h200", 2, residual_impl=residual,
-                                                              kda_norm=norm)["gpu_bytes"] / GIB
+        plan, kw = run_estimate_args(r)
+        estimates[(r["config"], r["seq_len"])] = est.estimate(cfg, r["seq_len"], plan, 1, "h200", 2, **kw)["gpu_bytes"] / GIB
     out.mkdir(parents=True, exist_ok=True)
     (out / "memory.json").write_text(json.dumps(res, indent=1) + "\n")
     figure(res, out / "memory.png", estimates)

@@ -129,8 +129,8 @@ def test_call_labels_and_order():
 
 def test_report_lists_peak_timelines_with_the_estimate_of_what_ran(tmp_path):
     """`--peak` entries are merged by key (a later file's wins) and listed with the current estimator's
-    figure for the mHC path and mhc_chunk the step ran (a plan recorded before mhc_chunk existed ran
-    liger's whole-sequence Functions)."""
+    figure for the mHC path, KDA norm, RMSNorm form and mhc_chunk the step ran (a plan recorded before
+    mhc_chunk existed ran liger's whole-sequence Functions)."""
     from longctx.memory.estimate import estimate
 
     cfg, S = preset("h200-ref"), 262144
@@ -149,8 +149,11 @@ def test_report_lists_peak_timelines_with_the_estimate_of_what_ran(tmp_path):
     assert _bench().main(["--report", str(runs / "1_a.json"), str(runs / "2_b.json"), "--out", str(out)]) == 0
     md = (out / "memory_table.md").read_text()
     G = 2**30
-    whole = estimate(cfg, S, MemoryPlan.from_dict(dict(old_plan, mhc_chunk=0)), 1, "h200", 2, residual_impl="liger")
-    torch_path = estimate(cfg, S, MemoryPlan.from_dict(dict(old_plan, mhc_chunk=0)), 1, "h200", 2, residual_impl="torch")
+    # calls 1 and 2: our KDA norm (no "+fla-norm" in the impl record) and the plain-autograd RMSNorms
+    old = {"kda_norm": "torch", "plain_norms": True}
+    whole = estimate(cfg, S, MemoryPlan.from_dict(dict(old_plan, mhc_chunk=0)), 1, "h200", 2, residual_impl="liger", **old)
+    torch_path = estimate(cfg, S, MemoryPlan.from_dict(dict(old_plan, mhc_chunk=0)), 1, "h200", 2, residual_impl="torch",
+                          **old)
     assert whole["gpu_bytes"] > torch_path["gpu_bytes"]
     assert f"| all_on | 262,144 | 129.50 | {whole['gpu_bytes'] / G:.2f} |" in md  # the later file's entry
     assert f"| torch | 262,144 | 110.00 | {torch_path['gpu_bytes'] / G:.2f} |" in md

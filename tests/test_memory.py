@@ -26,7 +26,7 @@ from longctx.layers.kpool_indexer import KPoolIndexer
 from longctx.layers.moe import MoE
 from longctx.layers.residual import MHC
 from longctx.memory.estimate import ALLOCATOR_SLACK, GPU_FIT, auto_plan, estimate
-from longctx.memory.meter import LiveBytes, meter_model_step
+from longctx.memory.meter import LiveBytes, SavedTensorMeter, meter_model_step
 from longctx.memory.offload import Offloader
 from longctx.memory.plan import MemoryPlan, apply_plan
 from longctx.memory.recompute import RecomputePolicy, _flatten
@@ -298,6 +298,41 @@ def test_offload_refuses_a_second_backward():
 
 
 # ------------------------------------------------------------------ the other switches
+def test_rms_norm_keeps_its_input_and_one_rstd_per_row():
+    """norms._RMSNormFn: the plain-autograd arithmetic op for op in forward (bit-identical outputs), but
+    only x (its own dtype) and an fp32 rstd per row kept for backward (plain autograd: 6 bytes per
+    element of a bf16 x, here 2); gradients as plain autograd's in fp32, and nearer fp64's in bf16
+    (plain autograd rounds the normalised rows' gradient to bf16 on the way)."""
+    from longctx.layers.norms import RMSNorm, rms_norm_plain
+
+    torch.manual_seed(0)
+    B, T, D = 2, 50, 64
+    norm = RMSNorm(D)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(D))
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    for dt in (torch.float32, torch.bfloat16):
+        x = (3 * torch.randn(B, T, D)).to(dt).requires_grad_(True)
+        dy = torch.randn(B, T, D).to(dt)
+        meter = SavedTensorMeter()
+        with meter.measure():
+            y = norm(x)
+        if dt == torch.bfloat16:
+            assert meter.total() == B * T * (2 * D + 4) + D * 4  # x, rstd, the fp32 weight
+        gx, gw = torch.autograd.grad(y, (x, norm.weight), dy)
+        x2, w2 = x.detach().clone().requires_grad_(True), norm.weight.detach().clone().requires_grad_(True)
+        y2 = rms_norm_plain(x2, w2, norm.eps)
+        gx2, gw2 = torch.autograd.grad(y2, (x2, w2), dy)
+        assert torch.equal(y, y2) and gx.dtype == dt and gw.dtype == torch.float32
+        if dt == torch.float32:
+            assert rel(gx, gx2) < 1e-6 and rel(gw, gw2) < 1e-6
+        else:
+            x3 = x.detach().double().requires_grad_(True)
+            y3 = norm.weight.double() * (x3 * torch.rsqrt(x3.pow(2).mean(-1, keepdim=True) + norm.eps))
+            gx3, = torch.autograd.grad(y3, (x3,), dy.double())
+            assert rel(gx, gx3) < rel(gx2, gx3) and rel(gx, gx3) < 4e-3 and rel(gw, gw2) < 1e-6
+
+
 def test_mhc_cast_recompute_keeps_no_fp32_copy():
     cfg = _cfg(layer_pattern="KKKK", mlp_pattern="d")
     model = _model(cfg).to(torch.bfloat16)  # bf16 streams: the projection's .float() is a real copy
@@ -623,9 +658,11 @@ def test_estimate_counts_liger_mhc_post_res_backward():
     from memory import run_estimate_args
 
     old = {k: v for k, v in on.to_dict().items() if k != "mhc_chunk"}
-    assert run_estimate_args({"plan": old, "impl": "mhc:liger x24"}) == (off, "liger", "torch")
-    assert run_estimate_args({"plan": on.to_dict(), "impl": "kda:fla-chunk+fla-conv+fla-norm x9, mhc:torch x24"}) == \
-        (on, "torch", "fla")
+    assert run_estimate_args({"plan": old, "impl": "mhc:liger x24", "source": "memory_runs/9_liger_mhc_128k.json"}) == \
+        (off, {"residual_impl": "liger", "kda_norm": "torch", "plain_norms": True})
+    assert run_estimate_args({"plan": on.to_dict(), "impl": "kda:fla-chunk+fla-conv+fla-norm x9, mhc:torch x24",
+                              "source": "28_step.json"}) == \
+        (on, {"residual_impl": "torch", "kda_norm": "fla", "plain_norms": False})
 
 
 def test_estimate_counts_the_autocast_cached_copies_not_the_experts():
