@@ -103,6 +103,9 @@ CONFIGS = {
     "loss_chunk_off": lambda p: dataclasses.replace(p, loss_chunk=0),
     "seq_chunk_off": lambda p: dataclasses.replace(p, seq_chunk="off"),
     "seq_skip_last_off": lambda p: dataclasses.replace(p, seq_skip_last=False),
+    # not a switch: the auto plan's sequence chunk halved (twice the chunks), to time the chunk size
+    "seq_chunk_half": lambda p: (dataclasses.replace(p, seq_chunk=str(p.seq_chunk_tokens() // 2))
+                                 if p.seq_chunk_tokens() else p),
 }
 QUICK_CONFIGS = ["all_on", "sparse_kernel_off", "chunked_indexer_off", "recompute_off", "loss_chunk_off"]
 
@@ -912,14 +915,14 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
     return "\n".join(out)
 
 
-LAST_CALL_WITH_PLAIN_NORMS = 27  # runs of calls up to this one ran the RMSNorms as plain autograd
+LAST_CALL_WITH_PLAIN_OPS = 27  # runs of calls up to this one ran the RMSNorms and SwiGLUs as plain autograd
 
 
 def run_estimate_args(r: dict) -> tuple[MemoryPlan, dict]:
     """The plan and the estimator's implementation arguments for a recorded run: the mHC path from the
     run's impl record (mhc:liger / mhc:torch), KDA's norm from it too (fla's where it says "+fla-norm";
-    every run recorded before fla's norm existed ran ours), plain-autograd RMSNorms for calls up to
-    LAST_CALL_WITH_PLAIN_NORMS (by the call number of its source file; a run without one is taken as
+    every run recorded before fla's norm existed ran ours), plain-autograd RMSNorms and SwiGLUs for calls up to
+    LAST_CALL_WITH_PLAIN_OPS (by the call number of its source file; a run without one is taken as
     recent), and mhc_chunk 0 for runs recorded before that switch existed (they ran liger's
     whole-sequence Functions wherever they ran liger)."""
     d = dict(r["plan"])
@@ -927,9 +930,9 @@ def run_estimate_args(r: dict) -> tuple[MemoryPlan, dict]:
     impl = r.get("impl") or ""
     residual = "liger" if "mhc:liger" in impl else "torch" if "mhc:torch" in impl else "auto"
     call = _call_number(Path(r.get("source") or "").name)
-    plain = call is not None and int(re.match(r"\d+", call).group()) <= LAST_CALL_WITH_PLAIN_NORMS
+    plain = call is not None and int(re.match(r"\d+", call).group()) <= LAST_CALL_WITH_PLAIN_OPS
     return MemoryPlan.from_dict(d), {"residual_impl": residual, "kda_norm": "fla" if "+fla-norm" in impl else "torch",
-                                     "plain_norms": plain}
+                                     "plain_ops": plain}
 
 
 def report(files, out: Path) -> int:

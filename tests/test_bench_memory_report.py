@@ -150,7 +150,7 @@ def test_report_lists_peak_timelines_with_the_estimate_of_what_ran(tmp_path):
     md = (out / "memory_table.md").read_text()
     G = 2**30
     # calls 1 and 2: our KDA norm (no "+fla-norm" in the impl record) and the plain-autograd RMSNorms
-    old = {"kda_norm": "torch", "plain_norms": True}
+    old = {"kda_norm": "torch", "plain_ops": True}
     whole = estimate(cfg, S, MemoryPlan.from_dict(dict(old_plan, mhc_chunk=0)), 1, "h200", 2, residual_impl="liger", **old)
     torch_path = estimate(cfg, S, MemoryPlan.from_dict(dict(old_plan, mhc_chunk=0)), 1, "h200", 2, residual_impl="torch",
                           **old)

@@ -333,6 +333,42 @@ def test_rms_norm_keeps_its_input_and_one_rstd_per_row():
             assert rel(gx, gx3) < rel(gx2, gx3) and rel(gx, gx3) < 4e-3 and rel(gw, gw2) < 1e-6
 
 
+def test_clamped_swiglu_keeps_only_gate_and_up():
+    """mlp._ClampedSwiGLU: the plain form's forward op for op (bit-identical), only gate and up kept for
+    backward (one storage where they are views of the experts' [2I] projection: 2 rows of the width,
+    plain autograd 5), gradients exact in fp64 (values on the clamp bounds included: the clamps pass the
+    gradient there, as torch's do) and nearer fp64's than plain autograd's in bf16."""
+    from longctx.layers.mlp import clamped_swiglu, clamped_swiglu_plain
+
+    torch.manual_seed(0)
+    T, I, lim = 40, 32, 1.5
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    dy64 = torch.randn(T, I, dtype=torch.float64)
+    for dt in (torch.float64, torch.bfloat16):
+        h = (2 * torch.randn(T, 2 * I)).to(dt)
+        h[0, :4], h[0, I:I + 4] = lim, -lim
+        h.requires_grad_(True)
+        dy = dy64.to(dt)
+        meter = SavedTensorMeter()
+        with meter.measure():
+            y = clamped_swiglu(h[:, :I], h[:, I:], lim)
+        assert meter.total() == h.numel() * h.element_size()
+        gh, = torch.autograd.grad(y, (h,), dy)
+        h2 = h.detach().clone().requires_grad_(True)
+        plain = SavedTensorMeter()
+        with plain.measure():
+            y2 = clamped_swiglu_plain(h2[:, :I], h2[:, I:], lim)
+        assert plain.total() == 5 * T * I * h.element_size()  # h (2 rows), clamped gate, its SiLU, clamped up
+        gh2, = torch.autograd.grad(y2, (h2,), dy)
+        assert torch.equal(y, y2)
+        if dt == torch.float64:
+            assert rel(gh, gh2) < 1e-14
+        else:
+            h3 = h.detach().double().requires_grad_(True)
+            gh3, = torch.autograd.grad(clamped_swiglu_plain(h3[:, :I], h3[:, I:], lim), (h3,), dy64)
+            assert rel(gh, gh3) < rel(gh2, gh3) and rel(gh, gh3) < 4e-3
+
+
 def test_mhc_cast_recompute_keeps_no_fp32_copy():
     cfg = _cfg(layer_pattern="KKKK", mlp_pattern="d")
     model = _model(cfg).to(torch.bfloat16)  # bf16 streams: the projection's .float() is a real copy
@@ -659,10 +695,10 @@ def test_estimate_counts_liger_mhc_post_res_backward():
 
     old = {k: v for k, v in on.to_dict().items() if k != "mhc_chunk"}
     assert run_estimate_args({"plan": old, "impl": "mhc:liger x24", "source": "memory_runs/9_liger_mhc_128k.json"}) == \
-        (off, {"residual_impl": "liger", "kda_norm": "torch", "plain_norms": True})
+        (off, {"residual_impl": "liger", "kda_norm": "torch", "plain_ops": True})
     assert run_estimate_args({"plan": on.to_dict(), "impl": "kda:fla-chunk+fla-conv+fla-norm x9, mhc:torch x24",
                               "source": "28_step.json"}) == \
-        (on, {"residual_impl": "torch", "kda_norm": "fla", "plain_norms": False})
+        (on, {"residual_impl": "torch", "kda_norm": "fla", "plain_ops": False})
 
 
 def test_estimate_counts_the_autocast_cached_copies_not_the_experts():

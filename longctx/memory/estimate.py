@@ -63,11 +63,12 @@ def _params_of(cfg_json: str) -> int:
 
 
 def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan: MemoryPlan, a: int = 2,
-                            fla: bool = False, fla_norm: bool = False, plain_norms: bool = False) -> dict:
+                            fla: bool = False, fla_norm: bool = False, plain_ops: bool = False) -> dict:
     """Bytes a block saves for its backward when it runs *without* recompute, by component (the bytes
     one block's recompute re-creates). `fla`: KDA through fla-core (a GPU) rather than the torch twin;
     `fla_norm`: its gated output norm through fla's kernel too (the default there) rather than ours;
-    `plain_norms`: the RMSNorms as plain autograd (runs recorded before call 28), not `norms._RMSNormFn`.
+    `plain_ops`: the RMSNorms and the clamped SwiGLUs as plain autograd (runs recorded before call 28),
+    not `norms._RMSNormFn` and `mlp._ClampedSwiGLU`.
     Checked on the H200 against each sub-layer's recompute (allocated after minus before, call 22,
     256k): fla KDA mixer 56.1 KB/token measured vs 55.9 counted (+ its output) with our gated norm, 37.5
     counted with fla's (the default since call 23; 37.7 measured at 128k, call 27); MoE 89.7 measured vs
@@ -80,7 +81,7 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
     # one fp32 rstd per row: 4 bytes per element less than plain autograd's fp32 copy (runs before call
     # 28). On the CPU the tiny model's saved bytes fell 1,313 B/token; 4D - 4 per norm over its 11 norms
     # gives 1,268. The final norm and the DSA's two latent norms (not counted here) fell the same way.
-    res = 2 * (D * a * 3 - (0 if plain_norms else 4 * D - 4))
+    res = 2 * (D * a * 3 - (0 if plain_ops else 4 * D - 4))
     if cfg.residual == "mhc":
         res += 2 * (n * D * a + (0 if plan.mhc_cast_recompute else n * D * 4) + 40 * n * n * 4)
     out["residual+norms"] = S * res
@@ -111,17 +112,18 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
         if not plan.sparse_kernel:
             # the softmax output and its NaN-cleaned copy, both fp32 [H, S, S] (ops/sparse_attention/naive.py)
             out["dsa dense scores"] = 2 * S * S * H * 4
-    # the clamped SwiGLU (layers/mlp.py) keeps 6 rows of the expert width per token and expert: the
-    # gate and up projections (one [2I] tensor for the experts), the clamped gate, silu of it, the
-    # clamped up and their product (the down projection's input)
+    # the clamped SwiGLU (mlp._ClampedSwiGLU) keeps the gate and up projections (one [2I] tensor for the
+    # experts) and the down projection its input, the product: 3 rows of the width per token and expert.
+    # Plain autograd (runs before call 28) kept the clamped gate, its SiLU and the clamped up too: 6.
+    sw = 6 if plain_ops else 3
     if mlp == "d":
-        out["mlp"] = S * (D * a + 6 * cfg.intermediate_size * a)
+        out["mlp"] = S * (D * a + sw * cfg.intermediate_size * a)
     else:
         k, I = cfg.experts_per_token, cfg.moe_intermediate_size
         # input, the gathered rows, the SwiGLU, the expert outputs (kept by the combine; the fp32
         # combine's index_add_ keeps its fp32 products as well)
-        per = D * a + D * a * k + k * 6 * I * a + k * D * (a if plan.moe_bf16_combine else a + 4)
-        per += cfg.n_shared_experts * 6 * I * a + (0 if plan.router_release else cfg.n_routed_experts * 4 * 2)
+        per = D * a + D * a * k + k * sw * I * a + k * D * (a if plan.moe_bf16_combine else a + 4)
+        per += cfg.n_shared_experts * sw * I * a + (0 if plan.router_release else cfg.n_routed_experts * 4 * 2)
         out["moe"] = S * per
         # the experts' bf16 copies (cast per call, layers/moe.py), saved by the grouped matmuls: one set
         # per MoE chunk of tokens
@@ -226,7 +228,7 @@ def _kept_selections(cfg: ModelConfig, plan: MemoryPlan) -> list[bool]:
 
 
 def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: int, residual_impl: str,
-                      kda_norm: str, plain_norms: bool = False) -> dict:
+                      kda_norm: str, plain_ops: bool = False) -> dict:
     """Sequence-chunked step (memory/sequence_chunks.py): the block-level estimate of one chunk of C
     tokens, plus what stays O(S): per DSA layer the latent rows and their fp32 gradient buffer, the
     pooled indexer keys, the selections (pinned host), and the KDA carries at each chunk start; the
@@ -244,10 +246,10 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
     L = cfg.kv_lora_rank
     per_row = L * a if "D" in kinds else 0  # the concatenated latent rows the kernel reads
-    cases = [("last chunk", estimate(cfg, min(C, S), inner, 1, gpu, a, residual_impl=residual_impl, kda_norm=kda_norm, plain_norms=plain_norms, _chunk="last",
+    cases = [("last chunk", estimate(cfg, min(C, S), inner, 1, gpu, a, residual_impl=residual_impl, kda_norm=kda_norm, plain_ops=plain_ops, _chunk="last",
                                      _dsa_prefix=S * per_row))]
     if n_chunks > 1:
-        cases.append(("earlier chunks", estimate(cfg, C, inner, 1, gpu, a, residual_impl=residual_impl, kda_norm=kda_norm, plain_norms=plain_norms, _chunk="earlier",
+        cases.append(("earlier chunks", estimate(cfg, C, inner, 1, gpu, a, residual_impl=residual_impl, kda_norm=kda_norm, plain_ops=plain_ops, _chunk="earlier",
                                                  _dsa_prefix=(S - C) * per_row)))
     kept = {}
     for i, k in enumerate(kinds):
@@ -295,13 +297,14 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
 
 
 def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200", act_bytes: int = 2,
-             residual_impl: str = "auto", kda_norm: str = "auto", plain_norms: bool = False, _chunk: str = "",
+             residual_impl: str = "auto", kda_norm: str = "auto", plain_ops: bool = False, _chunk: str = "",
              _dsa_prefix: int = 0) -> dict:
     """The breakdown (bytes) for one step of S tokens per sequence split over `cp` GPUs.
     `act_bytes`: bytes per activation element (2 under bf16 autocast; 4 for an fp32 model).
     `residual_impl`: the training setting (auto | torch | liger); liger's mHC adds a backward transient.
     `kda_norm`: the training setting (auto | torch | fla); auto is fla's norm where KDA runs fla (a GPU).
-    `plain_norms`: estimate a run recorded before `norms._RMSNormFn` (call 28 on), which kept more.
+    `plain_ops`: estimate a run recorded before `norms._RMSNormFn` and `mlp._ClampedSwiGLU` (call 28 on),
+    which kept more.
 
     The peak is the largest of the step's phases: the end of the forward (every kept tensor, the
     autocast's bf16 weight copies, the loss), and the backward of each block, last to first (the
@@ -315,7 +318,7 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
         raise ConfigError(f"--gpu {gpu!r} is unknown; choose one of {', '.join(GPUS)}.")
     S_local = -(-S // cp)
     if plan.seq_chunk_tokens() and plan.seq_chunk_tokens() < S_local:
-        return dict(_estimate_chunked(cfg, S_local, plan, gpu, act_bytes, residual_impl, kda_norm, plain_norms),
+        return dict(_estimate_chunked(cfg, S_local, plan, gpu, act_bytes, residual_impl, kda_norm, plain_ops),
                     seq_len=S, cp=cp)
     n_params = _params(cfg)
     kinds, mlps = cfg.layer_kinds(), cfg.mlp_kinds()
@@ -330,7 +333,7 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     kept_gpu, kept_host = {}, {}
     fla = gpu not in ("cpu", "smoke")  # KDA through fla-core on a GPU (the layer's `auto`)
     fla_norm = kda_norm == "fla" or (kda_norm == "auto" and fla)
-    per_block = [_block_activation_bytes(cfg, k, m, S_local, plan, a, fla, fla_norm, plain_norms)
+    per_block = [_block_activation_bytes(cfg, k, m, S_local, plan, a, fla, fla_norm, plain_ops)
                  for k, m in zip(kinds, mlps)]
     sel = S_local * cfg.index_width() * 4
     keeps_sel = _kept_selections(cfg, plan)
