@@ -334,21 +334,18 @@ def test_rms_norm_keeps_its_input_and_one_rstd_per_row():
 
 
 def test_clamped_swiglu_keeps_only_gate_and_up():
-    """mlp._ClampedSwiGLU: the plain form's forward op for op (bit-identical), only gate and up kept for
-    backward (one storage where they are views of the experts' [2I] projection: 2 rows of the width,
-    plain autograd 5), gradients exact in fp64 (values on the clamp bounds included: the clamps pass the
-    gradient there, as torch's do) and nearer fp64's than plain autograd's in bf16."""
+    """mlp._ClampedSwiGLU: plain autograd's ops forward and backward (outputs and gradients
+    bit-identical, values on the clamp bounds included), but only gate and up kept for backward (one
+    storage where they are views of the experts' [2I] projection: 2 rows of the width, plain autograd 5)."""
     from longctx.layers.mlp import clamped_swiglu, clamped_swiglu_plain
 
     torch.manual_seed(0)
     T, I, lim = 40, 32, 1.5
-    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
-    dy64 = torch.randn(T, I, dtype=torch.float64)
     for dt in (torch.float64, torch.bfloat16):
         h = (2 * torch.randn(T, 2 * I)).to(dt)
         h[0, :4], h[0, I:I + 4] = lim, -lim
         h.requires_grad_(True)
-        dy = dy64.to(dt)
+        dy = torch.randn(T, I).to(dt)
         meter = SavedTensorMeter()
         with meter.measure():
             y = clamped_swiglu(h[:, :I], h[:, I:], lim)
@@ -360,13 +357,7 @@ def test_clamped_swiglu_keeps_only_gate_and_up():
             y2 = clamped_swiglu_plain(h2[:, :I], h2[:, I:], lim)
         assert plain.total() == 5 * T * I * h.element_size()  # h (2 rows), clamped gate, its SiLU, clamped up
         gh2, = torch.autograd.grad(y2, (h2,), dy)
-        assert torch.equal(y, y2)
-        if dt == torch.float64:
-            assert rel(gh, gh2) < 1e-14
-        else:
-            h3 = h.detach().double().requires_grad_(True)
-            gh3, = torch.autograd.grad(clamped_swiglu_plain(h3[:, :I], h3[:, I:], lim), (h3,), dy64)
-            assert rel(gh, gh3) < rel(gh2, gh3) and rel(gh, gh3) < 4e-3
+        assert torch.equal(y, y2) and torch.equal(gh, gh2)
 
 
 def test_mhc_cast_recompute_keeps_no_fp32_copy():
