@@ -27,12 +27,13 @@ class _RMSNormFn(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         xhat = x.float() * rstd
         dyf = dy.float()
-        g = dyf * weight.float()  # the gradient of the normalised rows (through their rounding unchanged)
-        dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-        dw = None
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            g = dyf * weight.float()  # the gradient of the normalised rows (through their rounding unchanged)
+            dx = (rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)
         if ctx.needs_input_grad[1]:
             dw = (dyf * xhat.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        return dx.to(x.dtype), dw, None
+        return dx, dw, None
 
 
 def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
