@@ -52,8 +52,17 @@ class KDAState:
     recurrent: torch.Tensor
 
 
-def _require_fla(x: torch.Tensor, part: str, setting: str, attr: str) -> bool:
-    """True, or the ConfigError of a part forced to 'fla' where fla cannot run."""
+def _part_uses_fla(x: torch.Tensor, backend: str, part: str, impl: str, impls: tuple) -> bool:
+    """Whether KDA's `part` ("conv" or "norm"; layer attribute `{part}_impl`, training setting
+    `kda_{part}`) runs fla's kernel: "auto" wherever the layer's KDA kernel (`backend`, what
+    `_pick_backend` chose) is fla's; "fla" the same, and a ConfigError where fla cannot run; "torch" ours."""
+    attr, setting = f"{part}_impl", f"kda_{part}"
+    if impl not in impls:
+        raise ConfigError(f"KDA {attr} must be one of {', '.join(impls)} (got {impl!r}).")
+    if impl == "torch":
+        return False
+    if impl == "auto":
+        return backend == "fla"
     if not x.is_cuda or not fla_available():
         raise ConfigError(f"KDA {part} 'fla' (setting {setting}, layer {attr}) needs CUDA tensors and fla-core 0.6.0 "
                           f"(tensors on {x.device}, fla {'importable' if fla_available() else 'not importable'}); "
@@ -155,36 +164,16 @@ class KimiDeltaAttention(nn.Module):
                 y = y + F.pad(xt, (i, 0))[..., :T] * weight[:, :, W - 1 - i] * (pos >= i)
         return F.silu(y).transpose(1, 2).to(x.dtype)
 
-    def _conv_uses_fla(self, x: torch.Tensor, state: KDAState | None, backend: str) -> bool:
-        """"auto": fla's conv wherever the layer's KDA kernel is fla's, with or without a state; a state's
-        window (decoding, the sequence-chunked step's carries) goes in as fla's initial state and comes
-        out as its final state. "fla": the same, and a ConfigError where fla cannot run. "torch": the
-        torch conv everywhere. auto took the torch conv under a state until the H200 showed
-        (bench/results/memory_runs/18_sequence_chunks_with_fla_conv_state.log) that the chunked step with fla's conv under its carries is as
-        exact as the whole step (all gradients 8.47e-2 vs 8.48e-2 rel-RMS from fp32; with the torch conv
-        there 9.11e-2 vs 8.49e-2). `last_impl` ends in "+fla-conv" whenever fla's conv ran.
-        `backend`: what `_pick_backend` chose for this call."""
-        if self.conv_impl not in CONV_IMPLS:
-            raise ConfigError(f"KDA conv_impl must be one of {', '.join(CONV_IMPLS)} (got {self.conv_impl!r}).")
-        if self.conv_impl == "torch":
-            return False
-        if self.conv_impl == "auto":
-            return backend == "fla"
-        return _require_fla(x, "conv", "kda_conv", "conv_impl")
-
-    def _norm_uses_fla(self, x: torch.Tensor, backend: str) -> bool:
-        """"auto": fla's fused gated RMSNorm (weight * RMSNorm(o) * sigmoid(gate), SiLU-free) wherever the
-        layer's KDA kernel is fla's; "fla": the same, and a ConfigError where fla cannot run; "torch": ours
-        (layers/norms.GatedRMSNorm, fp32 inside). On the H200 (call 23) fla's matched ours within the GPU
-        test's bounds, kept 6,192 bytes per token for backward against ours' 24,624 (h200-ref's width),
-        and the 128k step ran 4.68 -> 4.55 s. `last_impl` ends in "+fla-norm" whenever fla's norm ran."""
-        if self.norm_impl not in NORM_IMPLS:
-            raise ConfigError(f"KDA norm_impl must be one of {', '.join(NORM_IMPLS)} (got {self.norm_impl!r}).")
-        if self.norm_impl == "torch":
-            return False
-        if self.norm_impl == "auto":
-            return backend == "fla"
-        return _require_fla(x, "norm", "kda_norm", "norm_impl")
+    # Which of the conv and the gated output norm run fla's kernels (`_part_uses_fla`). The conv: a state's
+    # window (decoding, the sequence-chunked step's carries) goes in as fla's initial state and comes out
+    # as its final state; auto took the torch conv under a state until the H200 showed
+    # (bench/results/memory_runs/18_sequence_chunks_with_fla_conv_state.log) that the chunked step with
+    # fla's conv under its carries is as exact as the whole step (all gradients 8.47e-2 vs 8.48e-2 rel-RMS
+    # from fp32; with the torch conv there 9.11e-2 vs 8.49e-2). The norm: fla's fused gated RMSNorm
+    # (weight * RMSNorm(o) * sigmoid(gate), SiLU-free) against ours (layers/norms.GatedRMSNorm, fp32
+    # inside); on the H200 (call 23) fla's matched ours within the GPU test's bounds, kept 6,192 bytes per
+    # token for backward against ours' 24,624 (h200-ref's width), and the 128k step ran 4.68 -> 4.55 s.
+    # `last_impl` ends in "+fla-conv" / "+fla-norm" whenever fla's ran.
 
     def _pick_backend(self, x: torch.Tensor) -> str:
         if self.backend not in BACKENDS:
@@ -213,8 +202,8 @@ class KimiDeltaAttention(nn.Module):
         if state is not None and cu_seqlens is not None:
             raise ValueError("KimiDeltaAttention: decoding with a KDAState takes unpacked rows; drop cu_seqlens.")
         backend = self._pick_backend(x)
-        conv_fla = self._conv_uses_fla(x, state, backend)
-        norm_fla = self._norm_uses_fla(x, backend)
+        conv_fla = _part_uses_fla(x, backend, "conv", self.conv_impl, CONV_IMPLS)
+        norm_fla = _part_uses_fla(x, backend, "norm", self.norm_impl, NORM_IMPLS)
         qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state, cu_seqlens,
                                conv_fla)
         q, k, v = (t.view(B, T, H, K) for t in qkv.split(H * K, -1))
