@@ -228,7 +228,7 @@ def _kept_selections(cfg: ModelConfig, plan: MemoryPlan) -> list[bool]:
 
 
 def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: int, residual_impl: str,
-                      kda_norm: str, plain_ops: bool = False) -> dict:
+                      kda_norm: str, plain_ops: bool) -> dict:
     """Sequence-chunked step (memory/sequence_chunks.py): the block-level estimate of one chunk of C
     tokens, plus what stays O(S): per DSA layer the latent rows and their fp32 gradient buffer, the
     pooled indexer keys, the selections (pinned host), and the KDA carries at each chunk start; the
@@ -246,10 +246,10 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
     L = cfg.kv_lora_rank
     per_row = L * a if "D" in kinds else 0  # the concatenated latent rows the kernel reads
-    cases = [("last chunk", estimate(cfg, min(C, S), inner, 1, gpu, a, residual_impl=residual_impl, kda_norm=kda_norm, plain_ops=plain_ops, _chunk="last",
-                                     _dsa_prefix=S * per_row))]
+    impl = {"residual_impl": residual_impl, "kda_norm": kda_norm, "plain_ops": plain_ops}
+    cases = [("last chunk", estimate(cfg, min(C, S), inner, 1, gpu, a, **impl, _chunk="last", _dsa_prefix=S * per_row))]
     if n_chunks > 1:
-        cases.append(("earlier chunks", estimate(cfg, C, inner, 1, gpu, a, residual_impl=residual_impl, kda_norm=kda_norm, plain_ops=plain_ops, _chunk="earlier",
+        cases.append(("earlier chunks", estimate(cfg, C, inner, 1, gpu, a, **impl, _chunk="earlier",
                                                  _dsa_prefix=(S - C) * per_row)))
     kept = {}
     for i, k in enumerate(kinds):
