@@ -1,10 +1,12 @@
-"""Compile the indexer's Triton kernels for the H200 (sm_90) without a GPU and print what ptxas says.
+"""Compile the indexer's and the sparse-attention backward's Triton kernels for the H200 (sm_90) without a
+GPU and print what ptxas says, with the MMA and atomic instructions the PTX uses.
 
     python bench/compile_sm90.py
 
 Registers per thread, spilled bytes and shared memory decide how many programs fit on an SM, and they
 can be read before any device time is spent: triton compiles to PTX for a named target and its own
-bundled ptxas assembles it. The configs are the defaults at h200-ref's indexer width (16 heads x 64).
+bundled ptxas assembles it. The configs are the defaults at h200-ref's indexer width (16 heads x 64) and, for the sparse backward,
+16 heads x 512 with K = 2051: the default head-major loop and the opt-in slots-major one (bench/NOTES.md).
 Numbers from a real launch (`LAST_LAUNCH["n_regs"]` on the H200) can differ by a few registers: the
 driver's ptxas there may be another version.
 """
@@ -15,6 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import triton
@@ -26,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from longctx.ops.indexer.triton_kernel import _kpool_topk_kernel  # noqa: E402
 from longctx.ops.indexer.two_phase import _emit_from_scores_kernel, _kpool_score_kernel, _kth_score_kernel  # noqa: E402
+from longctx.ops.sparse_attention.triton_kernel import _sparse_attn_bwd  # noqa: E402
 
 
 def _sig(kernel, pointers: dict, consts: dict) -> dict:
@@ -44,9 +48,12 @@ def compile_one(name, kernel, pointers, consts, num_warps, num_stages=2) -> dict
                              capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
+    ops = Counter(m.split(".aligned")[0].replace(".sync", "") for m in
+                  re.findall(r"(?:wgmma\.mma_async\.sync\.aligned\.\w+|mma\.sync\.aligned\.\w+|atom\.global[\w.]*add[\w.]*|red\.global\.add[\w.]*)",
+                             k.asm["ptx"]))
     return {"kernel": name, "registers": int(regs.group(1)) if regs else None,
             "spill_store_bytes": int(spill.group(1)) if spill else None, "shared_bytes": k.metadata.shared,
-            "wgmma": "wgmma" in k.asm["ptx"], "num_warps": num_warps}
+            "wgmma": "wgmma" in k.asm["ptx"], "num_warps": num_warps, "ops": dict(ops)}
 
 
 def main() -> int:
@@ -63,10 +70,22 @@ def main() -> int:
         compile_one("two-phase k-th, radix (_kth_score_kernel)", _kth_score_kernel,
                     {"SC": "*fp32", "KTH": "*fp32"}, dict(RBITS=8, BLOCK_N=1024), num_warps=4),
     ]
+    sparse_ptrs = {n: "*bf16" for n in ("Q", "KV", "O", "DO", "DQ")}
+    sparse_ptrs.update(IDX="*i32", LSE="*fp32", DKV="*fp32", scale="fp32", qk_scale="fp32")
+    sparse = dict(K=2051, D=512, BLOCK_D=512, BLOCK_H=16, PREC="tf32")
+    rows += [
+        compile_one("sparse bwd, heads-major (default, H=16)", _sparse_attn_bwd, sparse_ptrs,
+                    dict(sparse, BLOCK_N=16, SLOTS_MAJOR=0), num_warps=4),
+        compile_one("sparse bwd, slots-major (BLOCK_N=64)", _sparse_attn_bwd, sparse_ptrs,
+                    dict(sparse, BLOCK_N=64, SLOTS_MAJOR=1), num_warps=8),
+        compile_one("sparse bwd, slots-major (BLOCK_N=64)", _sparse_attn_bwd, sparse_ptrs,
+                    dict(sparse, BLOCK_N=64, SLOTS_MAJOR=1), num_warps=4),
+    ]
     print(f"triton {triton.__version__}, target sm_90a")
     for r in rows:
         print(f"{r['kernel']:<44} {r['registers']:>4} registers  {r['spill_store_bytes']} B spilled  "
               f"{r['shared_bytes'] / 1024:.0f} KiB shared  wgmma {r['wgmma']}  ({r['num_warps']} warps)")
+        print(f"{'':<44} {r['ops']}")
     return 0
 
 

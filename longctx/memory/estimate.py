@@ -79,8 +79,8 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
     # residual connections: collapse input, norms, the expand (2 per block); mHC keeps its fp32
     # normalised copy unless the cast is recomputed. Each RMSNorm (norms._RMSNormFn) keeps its input and
     # one fp32 rstd per row: 4 bytes per element less than plain autograd's fp32 copy (runs before call
-    # 28). On the CPU the tiny model's saved bytes fell 1,313 B/token; 4D - 4 per norm over its 11 norms
-    # gives 1,268. The final norm and the DSA's two latent norms (not counted here) fell the same way.
+    # 28; the saved-tensor meter checks both forms in tests/test_memory.py). The final norm and the DSA's
+    # two latent norms (not counted here) keep 4 bytes per element less the same way.
     res = 2 * (D * a * 3 - (0 if plain_ops else 4 * D - 4))
     if cfg.residual == "mhc":
         res += 2 * (n * D * a + (0 if plan.mhc_cast_recompute else n * D * 4) + 40 * n * n * 4)
