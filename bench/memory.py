@@ -130,6 +130,42 @@ def effective(plan: MemoryPlan) -> dict:
 
 
 # ----------------------------------------------------------------------------- the device
+
+def _copies_by_line(events, limit: int = 40) -> str:
+    """The GPU time of aten::copy_ / aten::_to_copy (casts, layout copies) by the innermost longctx (or bench)
+    Python frame above them and the op that asked for them (autocast's casts sit under aten::linear, say):
+    which lines the profile's anonymous `aten::copy_` rows come from. Copies in the backward have no Python
+    frames; they are named by their autograd node."""
+    by_line: dict[tuple, list] = {}
+    for ev in events:
+        if ev.name not in ("aten::copy_", "aten::_to_copy"):
+            continue
+        p = ev.cpu_parent
+        if ev.name == "aten::copy_" and p is not None and p.name == "aten::_to_copy":
+            continue  # counted once, under its _to_copy
+        op, where = None, None
+        while p is not None and where is None:
+            n = p.name
+            if "longctx/" in n or "bench/" in n or "Backward" in n:
+                where = n
+            elif op is None and n.startswith("aten::") and n not in ("aten::to", "aten::_to_copy", "aten::copy_"):
+                op = n
+            p = p.cpu_parent
+        t = getattr(ev, "device_time_total", None)
+        t = ev.cuda_time_total if t is None else t
+        row = by_line.setdefault((where or "?", op or ""), [0.0, 0, set()])
+        row[0] += t
+        row[1] += 1
+        if ev.input_shapes and len(row[2]) < 2:
+            row[2].add(str(ev.input_shapes[0]))
+    rows = sorted(by_line.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))
+    total = sum(r[0] for _, r in rows)
+    out = [f"copies and casts by line (GPU ms, calls, the op that asked, some input shapes); total {total / 1e3:.1f} ms"]
+    for (where, op), (t, n, shapes) in rows[:limit]:
+        out.append(f"{t / 1e3:9.1f} ms {n:6d}  {where}  {op}  {' '.join(sorted(shapes))}")
+    return "\n".join(out)
+
+
 class Device:
     """CUDA: the caching allocator's peaks. CPU smoke: `LiveBytes` plus what existed before the step."""
 
@@ -431,7 +467,7 @@ class Bench:
         ids, labels = self.batch(S)
         self._one_step(policy, ids, labels)  # warm: this length's compiles and autotuning
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+        with torch.profiler.profile(activities=acts, record_shapes=True, with_stack=self.args.profile_stacks) as prof:
             t0 = time.perf_counter()
             self._one_step(policy, ids, labels)
             torch.cuda.synchronize()
@@ -446,6 +482,8 @@ class Bench:
                     break
                 except Exception:  # noqa: BLE001 - the key's name changed across torch versions
                     continue
+        if self.args.profile_stacks:
+            tables.append(_copies_by_line(prof.events()))
         path = self.out / f"profile_{S}.txt"
         body = "\n\n".join(tables)
         path.write_text(f"{self.res['command']}\nstep {step_s:.3f} s under the profiler at S={S}\n\n{body}\n")
@@ -992,6 +1030,8 @@ def main(argv=None) -> int:
                     help="with --peak: also one step under torch's allocation history (what is alive at the peak by "
                          "allocating line; it failed inside the recompute backward on the H200 with torch 2.11)")
     ap.add_argument("--profile", type=int, metavar="S", help="after the runs, profile one warm all-on step at S tokens")
+    ap.add_argument("--profile-stacks", action="store_true",
+                    help="with --profile: record Python stacks and add a table of the copies and casts' GPU time by longctx line")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first step (the first run then includes compilation)")
     ap.add_argument("--report", nargs="+", metavar="FILE", help="merge these memory.json files into OUT "
                     "(memory.json, memory.png, memory_table.md); CPU only, nothing is run")
