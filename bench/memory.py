@@ -453,7 +453,9 @@ class Bench:
         return est.auto_plan(self.cfg, S, MemoryPlan(), 1, self.dev.gpu_key, self.act_bytes)[0]
 
     def reps(self, S: int) -> int:
-        return 1 if (self.args.quick or S >= 512 * K) else self.args.reps
+        if S >= 512 * K:
+            return self.args.long_reps
+        return 1 if self.args.quick else self.args.reps
 
     # -------------------------------------------------------------- the parts
     def warmup(self, S: int):
@@ -1004,6 +1006,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", help=f"comma-separated subset of {', '.join(CONFIGS)}")
     ap.add_argument("--parts", default="runs,baseline,offload,host")
     ap.add_argument("--reps", type=int, default=2, help="steps per measurement below 512k (the last is timed)")
+    ap.add_argument("--long-reps", type=int, default=1,
+                    help="steps per measurement at 512k and above (the last is timed; a process's first step at a "
+                         "new chunk length compiles and page-locks, ~2x slower: 2 reports a warm step)")
     ap.add_argument("--host-steps", type=int, help="steps of the host-memory test (default 20; quick 5; smoke 3)")
     ap.add_argument("--host-seqlen", type=int, help="sequence length of the host-memory test (default 256k; quick 32k)")
     ap.add_argument("--cuda-alloc", default=allocator.DEFAULT,

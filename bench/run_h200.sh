@@ -91,9 +91,10 @@ step1m)
   # warm-up at 8k (compiles, optimizer state), one 1M step in steady state (a line per chunk, with the
   # peak so far), a profiled 128k step, the baseline's longest context, host memory over 20 steps
   # (STEP1M_PARTS to choose the parts, STEP1M_CONFIGS the configs, e.g. all_on,seq_skip_last_off,
-  # STEP1M_ARGS for more memory.py options, e.g. "--kda-conv fla")
+  # STEP1M_ARGS for more memory.py options, e.g. "--kda-conv fla" or "--long-reps 2" for a warm step,
+  # STEP1M_PROFILE= (empty) for no profile)
   timeout $(left) python bench/memory.py --out "$OUT" --parts ${STEP1M_PARTS:-runs,baseline,host} ${STEP1M_ARGS:-} --configs ${STEP1M_CONFIGS:-all_on} \
-      --seqlens 1048576 --profile 131072 --host-seqlen 65536 > "$OUT/memory_1m.log" 2>&1; tail -40 "$OUT/memory_1m.log"
+      --seqlens 1048576 ${STEP1M_PROFILE---profile 131072} --host-seqlen 65536 > "$OUT/memory_1m.log" 2>&1; tail -40 "$OUT/memory_1m.log"
   ;;
 offload)
   # offload's cost at 256k: pinned, pinned with kept buffers, pageable, no offload
