@@ -396,11 +396,17 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
             "host_capacity": cap["host"], "fits": total_gpu <= cap["memory"] * GPU_FIT and host <= cap["host"] * HOST_FIT}
 
 
+# The longest chunk the automatic plan takes. Past 128k tokens a chunk's time per token is flat: the 1M step
+# of h200-ref took 55.8 s with chunks of 262,144 and 56.5 s with 131,072, peaks 115.0 vs 74.8 GiB (H200,
+# bench/results/memory_runs/30_*). Longer chunks would buy ~1% for 40 GiB of headroom.
+AUTO_CHUNK_MAX = 131072
+
+
 def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200",
               act_bytes: int = 2, residual_impl: str = "auto", kda_norm: str = "auto") -> tuple[MemoryPlan, dict]:
     """Resolve recompute/offload/seq_chunk "auto": the cheapest that fits — no recompute, else
     recompute, else recompute + offload of as few blocks as needed, else the sequence in chunks
-    (the largest power-of-two chunk that fits, recompute on inside a chunk)."""
+    (the largest power-of-two chunk up to AUTO_CHUNK_MAX that fits, recompute on inside a chunk)."""
     choices = []
     rc = ["off", "on"] if plan.recompute == "auto" else [plan.recompute]
     whole = "off" if plan.seq_chunk == "auto" else plan.seq_chunk
@@ -414,7 +420,7 @@ def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str 
             choices.append(dataclasses.replace(plan, recompute=r, offload=o, seq_chunk=whole))
     if plan.seq_chunk == "auto":
         S_local = -(-S // cp)
-        c = 1 << max(0, (S_local - 1).bit_length() - 1)  # largest power of two below S_local
+        c = min(AUTO_CHUNK_MAX, 1 << max(0, (S_local - 1).bit_length() - 1))  # largest power of two below S_local
         while c >= 1024:
             choices.append(dataclasses.replace(plan, recompute="on" if plan.recompute == "auto" else plan.recompute,
                                                offload="0", seq_chunk=str(c)))
