@@ -6,7 +6,7 @@ GPU and print what ptxas says, with the MMA and atomic instructions the PTX uses
 Registers per thread, spilled bytes and shared memory decide how many programs fit on an SM, and they
 can be read before any device time is spent: triton compiles to PTX for a named target and its own
 bundled ptxas assembles it. The configs are the defaults at h200-ref's indexer width (16 heads x 64) and, for the sparse backward,
-16 heads x 512 with K = 2051: the default head-major loop and the opt-in slots-major one (bench/NOTES.md).
+16 heads x 512 with K = 2051 (its default loop, bench/NOTES.md).
 Numbers from a real launch (`LAST_LAUNCH["n_regs"]` on the H200) can differ by a few registers: the
 driver's ptxas there may be another version.
 """
@@ -75,11 +75,7 @@ def main() -> int:
     sparse = dict(K=2051, D=512, BLOCK_D=512, BLOCK_H=16, PREC="tf32")
     rows += [
         compile_one("sparse bwd, heads-major (default, H=16)", _sparse_attn_bwd, sparse_ptrs,
-                    dict(sparse, BLOCK_N=16, SLOTS_MAJOR=0), num_warps=4),
-        compile_one("sparse bwd, slots-major (BLOCK_N=64)", _sparse_attn_bwd, sparse_ptrs,
-                    dict(sparse, BLOCK_N=64, SLOTS_MAJOR=1), num_warps=8),
-        compile_one("sparse bwd, slots-major (BLOCK_N=64)", _sparse_attn_bwd, sparse_ptrs,
-                    dict(sparse, BLOCK_N=64, SLOTS_MAJOR=1), num_warps=4),
+                    dict(sparse, BLOCK_N=16), num_warps=4),
     ]
     print(f"triton {triton.__version__}, target sm_90a")
     for r in rows:

@@ -145,8 +145,6 @@ def main():
             (64, "fwd", [(32, 8, 3), (32, 8, 2), (64, 8, 2)]),
             (16, "fwd", [(64, 4, 2), (32, 4, 3), (32, 8, 3)]),
             (16, "bwd", [(16, 4, 2), (32, 8, 2), (64, 8, 2)]),
-            # the slots-major backward (cfg SLOTS_MAJOR=1; every product a wgmma from BLOCK_N = 64)
-            (16, "bwd_slots", [(64, 8, 2), (64, 4, 2), (128, 8, 2)]),
         ]
         only = set(args.sweep_only.split(",")) if args.sweep_only else None
         for H, which, cfgs in grid:
@@ -154,9 +152,7 @@ def main():
                 continue
             for n, w, st in cfgs:
                 c = {"BLOCK_N": n, "num_warps": w, "num_stages": st}
-                if which == "bwd_slots":
-                    c["SLOTS_MAJOR"] = 1
-                bwd = which.startswith("bwd")
+                bwd = which == "bwd"
                 try:
                     r = sparse_case(S, H, 1, 3, do_bwd=bwd, cfg_f=None if bwd else c, cfg_b=c if bwd else None)
                     r = {k: v for k, v in r.items() if k.startswith("bwd" if bwd else "fwd")}

@@ -12,8 +12,7 @@ latent row once per tile for all of them. The row is both key and value, so one 
 feeds both the score product and the value product. The backward recomputes P from the saved
 log-sum-exp, keeps dQ in registers for the whole index list, and scatters dKV with fp32 atomics
 (many queries select the same rows; a repeated index within one query also just adds up).
-Tile sizes, the measured rates and the dead ends are in bench/NOTES.md. An opt-in backward with the
-slots as the products' M dimension (cfg SLOTS_MAJOR=1, for 16-head blocks) is CPU-tested, not yet timed.
+Tile sizes, the measured rates and the dead ends are in bench/NOTES.md.
 
 Runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (the CPU tests do that).
 Shapes it cannot take raise a ValueError; there is no fallback path.
@@ -138,7 +137,6 @@ def _sparse_attn_bwd(
     K: tl.constexpr,  # slots per query; constexpr so the interpreter (numpy>=2.3) can loop over it
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,  # "ieee" for fp32 inputs (exact reference checks), else unused by bf16 MMAs
-    SLOTS_MAJOR: tl.constexpr,  # 1: slots as the products' M dimension (see the branch); 0: heads
 ):
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BLOCK_H
@@ -165,112 +163,8 @@ def _sparse_attn_bwd(
     kv_base = KV + b * stride_kvb
     dkv_base = DKV + b * stride_dkb
     idx_base = IDX + b * stride_ib + t * stride_is
-    if SLOTS_MAJOR:
-        q_base = Q + b * stride_qb + t * stride_qs
-        do_base = DO + b * stride_dob + t * stride_dos
-        dq_base = DQ + b * stride_dqb + t * stride_dqs
-        _bwd_slots_major(q_base, do_base, dq_base, stride_qh, stride_doh, stride_dqh, offs_h, h_ok, delta, lse2,
-                         kv_base, dkv_base, idx_base, stride_kvs, stride_dks, S_kv, scale, qk_scale,
-                         K, D, BLOCK_H, BLOCK_D // 4, BLOCK_N, PREC)
-        return
-    dq = _bwd_heads_major(q, do, delta, lse2, h_ok, d_ok, offs_n, offs_d, kv_base, dkv_base, idx_base,
-                          stride_kvs, stride_dks, S_kv, scale, qk_scale, K, BLOCK_H, BLOCK_D, BLOCK_N, PREC)
-
-    dq = dq * scale
-    tl.store(DQ + b * stride_dqb + t * stride_dqs + offs_h[:, None] * stride_dqh + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=hd_ok)
-
-
-@triton.jit
-def _slots_load(base, rows, row_ok, c: tl.constexpr, stride, D: tl.constexpr, DC: tl.constexpr):
-    """Columns [c*DC, (c+1)*DC) of the rows `rows` of a row-major [*, D] tensor (masked past D)."""
-    offs = c * DC + tl.arange(0, DC)
-    return tl.load(base + rows[:, None] * stride + offs[None, :], mask=row_ok[:, None] & (offs < D)[None, :], other=0.0)
-
-
-@triton.jit
-def _slots_grads(k_c, q_c, do_c, p, ds, dsc, dq_t, dkv_base, j, valid, c: tl.constexpr, stride_dks,
-                 D: tl.constexpr, DC: tl.constexpr, PREC: tl.constexpr):
-    """One column block of the slots-major backward: dq^T [DC, H] += k_c^T dS^T (M = DC) and the slots'
-    dkv [BLOCK_N, DC] = P^T dO_c + (scale dS^T) Q_c (M = BLOCK_N), added to dkv with fp32 atomics."""
-    dq_t = tl.dot(tl.trans(k_c), ds, dq_t, input_precision=PREC)
-    dkv = tl.dot(p, do_c, input_precision=PREC)
-    dkv = tl.dot(dsc, q_c, dkv, input_precision=PREC)
-    offs = c * DC + tl.arange(0, DC)
-    tl.atomic_add(dkv_base + j[:, None] * stride_dks + offs[None, :], dkv,
-                  mask=valid[:, None] & (offs < D)[None, :], sem="relaxed")
-    return dq_t
-
-
-@triton.jit
-def _bwd_slots_major(q_base, do_base, dq_base, stride_qh, stride_doh, stride_dqh, offs_h, h_ok, delta, lse2,
-                     kv_base, dkv_base, idx_base, stride_kvs, stride_dks, S_kv, scale, qk_scale,
-                     K: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, DC: tl.constexpr,
-                     BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-    """The backward with the selected slots as the MMA M dimension, for small head blocks (written after
-    call 25, not yet run on a GPU; opt-in through cfg SLOTS_MAJOR=1). With 16 heads the head-major loop's
-    score and dq products have M = 16 (mma.sync on sm_90); here the scores are transposed (S^T = K Q^T,
-    [BLOCK_N, H]), dq is accumulated transposed (dq^T = K^T dS^T, M = D), and dkv is [BLOCK_N, D] with
-    M = BLOCK_N, so every product can be a wgmma once BLOCK_N >= 64. The latent width is taken in four
-    column blocks of DC (q, dO, the gathered rows, dq^T and dkv alike) so that one block's dkv tile,
-    not the whole [BLOCK_N, D], is live in registers (the whole one spilled 4-6 KB per thread)."""
-    rows_h = offs_h
-    q0 = _slots_load(q_base, rows_h, h_ok, 0, stride_qh, D, DC)
-    q1 = _slots_load(q_base, rows_h, h_ok, 1, stride_qh, D, DC)
-    q2 = _slots_load(q_base, rows_h, h_ok, 2, stride_qh, D, DC)
-    q3 = _slots_load(q_base, rows_h, h_ok, 3, stride_qh, D, DC)
-    do0 = _slots_load(do_base, rows_h, h_ok, 0, stride_doh, D, DC)
-    do1 = _slots_load(do_base, rows_h, h_ok, 1, stride_doh, D, DC)
-    do2 = _slots_load(do_base, rows_h, h_ok, 2, stride_doh, D, DC)
-    do3 = _slots_load(do_base, rows_h, h_ok, 3, stride_doh, D, DC)
-    dq0 = tl.zeros([DC, BLOCK_H], tl.float32)
-    dq1 = tl.zeros([DC, BLOCK_H], tl.float32)
-    dq2 = tl.zeros([DC, BLOCK_H], tl.float32)
-    dq3 = tl.zeros([DC, BLOCK_H], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    for n0 in range(0, K, BLOCK_N):
-        slot = n0 + offs_n
-        j = tl.load(idx_base + slot, mask=slot < K, other=-1).to(tl.int64)
-        valid = (j >= 0) & (j < S_kv)
-        k0 = _slots_load(kv_base, j, valid, 0, stride_kvs, D, DC)
-        k1 = _slots_load(kv_base, j, valid, 1, stride_kvs, D, DC)
-        k2 = _slots_load(kv_base, j, valid, 2, stride_kvs, D, DC)
-        k3 = _slots_load(kv_base, j, valid, 3, stride_kvs, D, DC)
-        s_t = tl.dot(k0, tl.trans(q0), input_precision=PREC)  # [BLOCK_N, BLOCK_H]
-        s_t = tl.dot(k1, tl.trans(q1), s_t, input_precision=PREC)
-        s_t = tl.dot(k2, tl.trans(q2), s_t, input_precision=PREC)
-        s_t = tl.dot(k3, tl.trans(q3), s_t, input_precision=PREC)
-        dp_t = tl.dot(k0, tl.trans(do0), input_precision=PREC)
-        dp_t = tl.dot(k1, tl.trans(do1), dp_t, input_precision=PREC)
-        dp_t = tl.dot(k2, tl.trans(do2), dp_t, input_precision=PREC)
-        dp_t = tl.dot(k3, tl.trans(do3), dp_t, input_precision=PREC)
-        keep = valid[:, None] & h_ok[None, :]
-        p_t = tl.where(keep, tl.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
-        ds_t = p_t * (dp_t - delta[None, :])
-        p_b, ds_b, dsc_b = p_t.to(k0.dtype), ds_t.to(k0.dtype), (ds_t * scale).to(k0.dtype)
-        dq0 = _slots_grads(k0, q0, do0, p_b, ds_b, dsc_b, dq0, dkv_base, j, valid, 0, stride_dks, D, DC, PREC)
-        dq1 = _slots_grads(k1, q1, do1, p_b, ds_b, dsc_b, dq1, dkv_base, j, valid, 1, stride_dks, D, DC, PREC)
-        dq2 = _slots_grads(k2, q2, do2, p_b, ds_b, dsc_b, dq2, dkv_base, j, valid, 2, stride_dks, D, DC, PREC)
-        dq3 = _slots_grads(k3, q3, do3, p_b, ds_b, dsc_b, dq3, dkv_base, j, valid, 3, stride_dks, D, DC, PREC)
-    _slots_store_dq(dq_base, dq0, rows_h, h_ok, 0, stride_dqh, scale, D, DC)
-    _slots_store_dq(dq_base, dq1, rows_h, h_ok, 1, stride_dqh, scale, D, DC)
-    _slots_store_dq(dq_base, dq2, rows_h, h_ok, 2, stride_dqh, scale, D, DC)
-    _slots_store_dq(dq_base, dq3, rows_h, h_ok, 3, stride_dqh, scale, D, DC)
-
-
-@triton.jit
-def _slots_store_dq(dq_base, dq_t, rows_h, h_ok, c: tl.constexpr, stride_dqh, scale, D: tl.constexpr, DC: tl.constexpr):
-    offs = c * DC + tl.arange(0, DC)
-    tl.store(dq_base + rows_h[None, :] * stride_dqh + offs[:, None], (dq_t * scale).to(dq_base.dtype.element_ty),
-             mask=h_ok[None, :] & (offs < D)[:, None])
-
-
-@triton.jit
-def _bwd_heads_major(q, do, delta, lse2, h_ok, d_ok, offs_n, offs_d, kv_base, dkv_base, idx_base,
-                     stride_kvs, stride_dks, S_kv, scale, qk_scale, K: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-    """The backward's loop with heads as the score products' M dimension (the default)."""
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+
     for n0 in range(0, K, BLOCK_N):
         slot = n0 + offs_n
         j = tl.load(idx_base + slot, mask=slot < K, other=-1).to(tl.int64)
@@ -290,7 +184,10 @@ def _bwd_heads_major(q, do, delta, lse2, h_ok, d_ok, offs_n, offs_d, kv_base, dk
         dkv_t = tl.dot(tl.trans(q), (ds * scale).to(k.dtype), dkv_t, input_precision=PREC)
         tl.atomic_add(dkv_base + j[None, :] * stride_dks + offs_d[:, None], dkv_t,
                       mask=valid[None, :] & d_ok[:, None], sem="relaxed")
-    return dq
+
+    dq = dq * scale
+    tl.store(DQ + b * stride_dqb + t * stride_dqs + offs_h[:, None] * stride_dqh + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=hd_ok)
 
 
 def _interpreting() -> bool:
@@ -393,9 +290,6 @@ def sparse_attention_bwd(q, kv, idx, o, lse, do, scale, cfg=None):
     B, S, H, D = q.shape
     K = idx.shape[2]
     c = dict(_cfg(H, D, True), **(cfg or {}))
-    if c.get("SLOTS_MAJOR") and (c["BLOCK_D"] < 64 or c["BLOCK_N"] < 16):
-        raise ValueError(f"sparse_attention_bwd: SLOTS_MAJOR needs a latent width of at least 64 (four column blocks "
-                         f"of >= 16) and BLOCK_N >= 16; got D={D} (BLOCK_D {c['BLOCK_D']}), BLOCK_N {c['BLOCK_N']}")
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
     if S == 0 or B == 0:
@@ -414,7 +308,7 @@ def sparse_attention_bwd(q, kv, idx, o, lse, do, scale, cfg=None):
         dkv.stride(0), dkv.stride(1),
         kv.shape[1], H, K=K,
         D=D, BLOCK_D=c["BLOCK_D"], BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", SLOTS_MAJOR=c.get("SLOTS_MAJOR", 0),
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     _note_launch("bwd", kern, c)
