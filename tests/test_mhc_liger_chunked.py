@@ -16,4 +16,5 @@ from triton_interpreter import run_interpreted  # noqa: E402
 def test_chunked_stream_ops_equal_liger_functions_under_the_interpreter():
     got = run_interpreted("tests/mhc_chunk_check.py", timeout=600)
     assert len(got) == 4 * len(NAMES)
-    assert_matches([(r["chunk"], r["what"], r["exact"], r["rel"]) for r in got.values()])
+    # the interpreter's fp32 -> bf16 store truncates where the GPU's rounds to nearest (assert_matches)
+    assert_matches([(r["chunk"], r["what"], r["exact"], r["rel"], r["ulps"]) for r in got.values()], bf16_ulps=1)

@@ -187,13 +187,14 @@ def _mhc_stream_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, 
     Function: an fp32 copy of the incoming gradient and an fp32 grad of the streams ([S, n, D] each),
     the branch output's gradient in fp32 and bf16 ([S, D]); measured 17.27 GiB at 256k for h200-ref
     against these 17.25 (bench/results/memory_runs/16_peak_262144_*.txt). In `mhc_chunk` tokens
-    (ops/mhc_liger.py): one chunk's fp32 buffers and the bf16 branch gradient."""
+    (ops/mhc_liger.py): the bf16 branch gradient and the fp32 coefficient gradients; the kernels store
+    into the bf16 tensors (runs up to call 30 also held one chunk's fp32 buffers, 0.47 GiB for h200-ref
+    at 16,384 tokens, not counted here: within the estimate's error)."""
     if not _uses_liger_mhc(cfg, plan, gpu, residual_impl):
         return 0
     n, D = cfg.hc_streams, cfg.hidden_size
     if plan.mhc_chunk:
-        c = min(S, plan.mhc_chunk)
-        return c * (n * D * 4 + D * 4) + S * D * 2
+        return S * (D * 2 + (n + n * n) * 4)
     return S * (n * D * 8 + D * 6)
 
 

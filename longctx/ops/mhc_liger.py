@@ -154,15 +154,18 @@ def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tenso
 # incoming bf16 gradient to fp32 and writes fp32 input gradients, then casts them. For post-res that is
 # N x (n D x 10 + D x 6) bytes alive at the start of a block's backward, 17.25 GiB at 256k tokens for
 # h200-ref: the measured peak's excess over the estimate (bench/results/memory_runs/16_peak_262144_*.txt).
-# The Functions below call the same kernels on `chunk` tokens at a time, with an fp32 buffer of one chunk
-# cast into a bf16 output slice, and hand the kernels the bf16 gradient directly (they load it and
-# convert to fp32 themselves, exactly). Under the Triton interpreter each token's values are those of
-# liger's Functions bit for bit (same kernels, same per-token arithmetic, the same fp32 -> bf16 rounding);
+# The Functions below call the same kernels on `chunk` tokens at a time and let them store straight into
+# the bf16 outputs and input gradients (a Triton store converts its fp32 value to the pointer's type,
+# round-to-nearest-even as torch's cast; an fp32 buffer and a copy kernel per chunk cost ~0.15 s of
+# copies in a 128k step, bench/results/memory_runs/29_profile_131072_stacks.txt), and hand the kernels
+# the bf16 gradient directly (they load it and convert to fp32 themselves, exactly). Under the Triton
+# interpreter each token's values are those of liger's Functions bit for bit (same kernels, same
+# per-token arithmetic, the same fp32 -> bf16 rounding);
 # on the H200 the outputs are too, and the input gradients within 1.2e-5 rel-RMS (a bf16 gradient where
 # liger's Function passes an fp32 copy compiles another kernel: tests/mhc_chunk_check.py). The atomically
 # accumulated coefficient gradients may differ in summation order, as between two runs of liger's own.
-# What stays: the bf16 outputs and gradients, the fp32 coefficient gradients ([N, n] and [N, n, n]),
-# and one chunk's fp32 buffers (chunk x n D x 4 bytes: 384 MiB at 16,384 tokens for h200-ref).
+# What stays: the bf16 outputs and gradients and the fp32 coefficient gradients ([N, n] and [N, n, n]).
+# `chunk` now only bounds a launch (the kernels' fp32 temporaries live in registers).
 
 
 def _spans(N: int, chunk: int):
@@ -177,9 +180,8 @@ class _ChunkedPre(torch.autograd.Function):
         x, h_pre = x.contiguous(), h_pre.contiguous()
         N, n, D = x.shape
         out = torch.empty((N, D), device=x.device, dtype=x.dtype)
-        buf = torch.empty((min(N, chunk), D), device=x.device, dtype=torch.float32)
         for a, b in _spans(N, chunk):
-            out[a:b].copy_(mhc_pre_fwd(x[a:b], h_pre[a:b], out=buf[: b - a]))
+            mhc_pre_fwd(x[a:b], h_pre[a:b], out=out[a:b])
         ctx.save_for_backward(x, h_pre)
         ctx.chunk = chunk
         return out
@@ -193,10 +195,8 @@ class _ChunkedPre(torch.autograd.Function):
         go = grad_out.contiguous()
         gx = torch.empty_like(x)
         gh = torch.zeros((N, n), device=x.device, dtype=torch.float32)
-        buf = torch.empty((min(N, ctx.chunk), n, D), device=x.device, dtype=torch.float32)
         for a, b in _spans(N, ctx.chunk):
-            mhc_pre_bwd(x[a:b], h_pre[a:b], go[a:b], out_grad_x=buf[: b - a], out_grad_h=gh[a:b])
-            gx[a:b].copy_(buf[: b - a])
+            mhc_pre_bwd(x[a:b], h_pre[a:b], go[a:b], out_grad_x=gx[a:b], out_grad_h=gh[a:b])
         return gx, gh, None
 
 
@@ -208,9 +208,8 @@ class _ChunkedPostRes(torch.autograd.Function):
         x, f, h_post, h_res = x.contiguous(), f.contiguous(), h_post.contiguous(), h_res.contiguous()
         N, n, D = x.shape
         out = torch.empty_like(x)
-        buf = torch.empty((min(N, chunk), n, D), device=x.device, dtype=torch.float32)
         for a, b in _spans(N, chunk):
-            out[a:b].copy_(mhc_post_res_fwd(x[a:b], f[a:b], h_post[a:b], h_res[a:b], out=buf[: b - a]))
+            mhc_post_res_fwd(x[a:b], f[a:b], h_post[a:b], h_res[a:b], out=out[a:b])
         ctx.save_for_backward(x, f, h_post, h_res)
         ctx.chunk = chunk
         return out
@@ -225,12 +224,7 @@ class _ChunkedPostRes(torch.autograd.Function):
         gx, gf = torch.empty_like(x), torch.empty_like(f)
         g_post = torch.zeros((N, n), device=x.device, dtype=torch.float32)
         g_res = torch.zeros((N, n, n), device=x.device, dtype=torch.float32)
-        c = min(N, ctx.chunk)
-        bx = torch.empty((c, n, D), device=x.device, dtype=torch.float32)
-        bf = torch.empty((c, D), device=x.device, dtype=torch.float32)
         for a, b in _spans(N, ctx.chunk):
-            mhc_post_res_bwd(x[a:b], f[a:b], h_post[a:b], h_res[a:b], go[a:b], out_grad_x=bx[: b - a],
-                             out_grad_f=bf[: b - a], out_grad_hpost=g_post[a:b], out_grad_hres=g_res[a:b])
-            gx[a:b].copy_(bx[: b - a])
-            gf[a:b].copy_(bf[: b - a])
+            mhc_post_res_bwd(x[a:b], f[a:b], h_post[a:b], h_res[a:b], go[a:b], out_grad_x=gx[a:b],
+                             out_grad_f=gf[a:b], out_grad_hpost=g_post[a:b], out_grad_hres=g_res[a:b])
         return gx, gf, g_post, g_res, None
