@@ -53,11 +53,19 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mixer_res, self.mlp_res = mixer_res, mlp_res
 
-    def forward(self, state, selection=None, cache=None, cu_seqlens=None, forced_selection=None):
+    def forward(self, state, selection=None, cache=None, cu_seqlens=None, forced_selection=None, caches_only=False):
         """One block. Returns (state, selection): DSA layers that run their indexer return theirs.
-        `forced_selection` (recompute with selection reuse) replaces this layer's indexer run."""
+        `forced_selection` (recompute with selection reuse) replaces this layer's indexer run.
+        `caches_only` (with `cache`): only update the decoding caches and select, for a sweep that reads
+        nothing after this block; returns (None, selection)."""
         x, ctx = self.mixer_res.enter(state)
         x = self.mixer_norm(x)
+        if caches_only:
+            if self.kind == "K":
+                self.mixer(x, state=cache, cu_seqlens=cu_seqlens)
+            else:
+                _, selection = self.mixer(x, prev_selection=selection, cache=cache, caches_only=True)
+            return None, selection
         if self.kind == "K":
             y = self.mixer(x, state=cache, cu_seqlens=cu_seqlens)
         else:

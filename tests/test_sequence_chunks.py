@@ -102,14 +102,15 @@ def _max_err(g, ref):
 
 
 class _RerouteAfterForwardSweep(SequenceChunker):
-    """Moves every router's bias after the forward sweep: a stand-in for a backward-sweep recompute
+    """Moves the bias of every router that the forward sweep ran (all but the last block's, which the
+    backward sweep's first passes route) after the sweep: a stand-in for a backward-sweep recompute
     that is not bit-identical to the forward sweep (bf16, other kernels) and so routes differently."""
 
     def _forward_sweep(self, model, *a, **kw):
         out = super()._forward_sweep(model, *a, **kw)
         if kw.get("tape") is not None:
             with torch.no_grad():
-                for mod in model.modules():
+                for mod in model.layers[:-1].modules():
                     if isinstance(mod, MoE):
                         mod.router.bias.add_(torch.randn_like(mod.router.bias) * 10)
         return out
@@ -118,7 +119,8 @@ class _RerouteAfterForwardSweep(SequenceChunker):
 def test_backward_sweep_replays_the_forward_sweeps_routing(monkeypatch):
     """The backward sweep routes from the tape, not afresh: with the routers moved after the forward
     sweep (the bias only chooses experts; the weights come from the scores), the gradient is still the
-    whole sequence's, and the backward sweep never calls select_experts."""
+    whole sequence's, and select_experts runs once per chunk and MoE layer: in the forward sweep, or
+    for the last block (whose MoE the sweep skips) in the backward sweep's first pass over the chunk."""
     import longctx.layers.moe as moe_mod
 
     m = _model()
@@ -134,7 +136,7 @@ def test_backward_sweep_replays_the_forward_sweeps_routing(monkeypatch):
     chunker = _RerouteAfterForwardSweep(16, skip_last_chunk=False)
     chunker.forward_backward(m, x, y)
     n_moe = sum(isinstance(mod, MoE) for mod in m.modules())
-    assert len(calls) == 5 * n_moe  # the forward sweep only: 5 chunks of <= 16 tokens, one call each
+    assert len(calls) == 5 * n_moe  # 5 chunks of <= 16 tokens, one call each per MoE layer
     assert chunker.last_stats["routing_bytes"] == n_moe * x.numel() * m.cfg.experts_per_token * 2  # int16
     assert _max_err(_grads(m), ref) < 1e-5
     # the same perturbation without the tape changes the gradient: the test can fail
@@ -181,6 +183,26 @@ def test_the_skipped_last_chunk_selects_and_routes_once_and_its_recompute_replay
     assert [ln for ln in lines if ln.startswith("forward sweep")][-1] == "forward sweep: chunk 4/5 done"
     assert abs(got.lm_loss.item() - out.lm_loss.item()) <= 1e-6 * out.lm_loss.item()
     assert _max_err(_grads(m), ref) < 1e-5
+
+
+def test_the_forward_sweep_runs_only_the_last_blocks_mixer():
+    """Nothing reads the last block's output in the forward sweep, so it runs that block's mixer for the
+    caches and selection only: no attention output, no MoE (the backward sweep routes it); the gradient
+    stays the whole sequence's (the tests above). Evaluation's sweep (token losses) runs it whole."""
+    m = _model()
+    x, y = _batch(m.cfg)
+    last = m.layers[-1]
+    assert last.kind == "D" and isinstance(last.mlp, MoE)
+    seen = {"mlp": 0, "attend": 0}
+    last.mlp.register_forward_hook(lambda *a: seen.__setitem__("mlp", seen["mlp"] + 1))
+    orig = last.mixer._attend
+    last.mixer._attend = lambda *a, **kw: seen.__setitem__("attend", seen["attend"] + 1) or orig(*a, **kw)
+    chunker = SequenceChunker(16, skip_last_chunk=False)
+    with torch.no_grad():
+        chunker._forward_sweep(m, x, chunker._bounds(x.shape[1]), tape=None)
+    assert seen == {"mlp": 0, "attend": 0}
+    chunker.token_losses(m, x, y)
+    assert seen == {"mlp": 5, "attend": 5}
 
 
 def test_a_recorded_tape_replays_in_both_sweeps():

@@ -82,14 +82,18 @@ class SparseMLA(nn.Module):
         return DSACache()
 
     def forward(self, x: torch.Tensor, prev_selection: torch.Tensor | None = None, cache: DSACache | None = None,
-                forced_selection: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                forced_selection: torch.Tensor | None = None, caches_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> (y [B, T, hidden], selection int32 [B, T, width]).
 
         prev_selection: the previous full layer's selection (required on shared layers).
         forced_selection: this layer's selection kept from the first forward (recompute with
         selection reuse): the indexer is not run again, and neither is its KL (the first pass has it).
         cache: decoding state; x is then the T newest tokens and the selection holds absolute positions.
+        caches_only (with a DSACache): append the latent rows and pooled keys and select, skip the
+        attention; returns (None, selection) (the sequence-chunked sweep's last block).
         """
+        if caches_only and not isinstance(cache, DSACache):
+            raise ValueError(f"DSA layer {self.layer_idx}: caches_only needs a DSACache.")
         B, T, _ = x.shape
         H = self.n_heads
         q_latent = self.q_a_norm(self.q_a_proj(x))
@@ -130,6 +134,8 @@ class SparseMLA(nn.Module):
         if selection.shape[:2] != (B, T):
             raise ValueError(f"DSA layer {self.layer_idx}: selection has shape {tuple(selection.shape)}, "
                              f"expected [{B}, {T}, width].")
+        if caches_only:
+            return None, selection
 
         o_lat = self._attend(q_abs, kv, selection)
         o = torch.einsum("bthl,hvl->bthv", o_lat, w[:, self.nope :])

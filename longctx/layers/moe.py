@@ -128,10 +128,16 @@ class RoutingTape:
     `offset` is the sequence position of the next forward's first token (the chunked step sets it per
     chunk); a forward of T tokens reads positions [offset, offset + T) of any recording that covers
     them. Indices are kept as int16 when the expert count allows (16 MiB per MoE layer at 1M tokens,
-    top-8)."""
+    top-8).
+
+    `live`: modules that route by themselves (and record) in the coming forward even while `replay` is
+    on, with their balance bookkeeping, because no earlier forward ran them: the sequence-chunked
+    step's forward sweep skips the last block's MoE (nothing reads its output), so the backward sweep's
+    first pass over each chunk routes it, and that pass's recompute (with `live` emptied) replays it."""
 
     def __init__(self, replay: bool = False):
         self.replay, self.offset = replay, 0
+        self.live: set = set()
         self._rec: dict = {}  # module -> list of (offset, [B, T, k] indices)
 
     def record(self, module, idx: torch.Tensor, batch: int) -> None:
@@ -417,7 +423,10 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         m = x.shape[0]
         impl = self._pick_impl(x)
-        record = not _in_backward()  # a recompute in backward must not touch the module's state
+        tape = _TAPE[0]
+        live = tape is not None and self in tape.live and torch._C._current_graph_task_id() == -1
+        # a recompute in backward must not touch the module's state; a live pass is this forward's first
+        record = live or not _in_backward()
         train = self.training and record
         want_aux = train and self.balancer == "aux" and torch.is_grad_enabled()
 
@@ -427,14 +436,14 @@ class MoE(nn.Module):
         if step < 1:
             raise ValueError(f"MoE.chunk_tokens must be >= 1 or None (got {self.chunk_tokens})")
         keep = [] if record and not self.release_router_state else None
-        tape = _TAPE[0]
         batch = shape[0] if len(shape) == 3 else 1
-        forced = tape.lookup(self, batch, m // batch) if tape is not None and tape.replay else None
+        replay = tape is not None and tape.replay and not live
+        forced = tape.lookup(self, batch, m // batch) if replay else None
         outs, scores, load, prob_sum, chosen = [], [], None, None, []
         for start in range(0, m, step):
             f = forced[start : start + step] if forced is not None else None
             o, s, c, p, idx = self._chunk(x[start : start + step], impl, want_aux, keep, f)
-            if tape is not None and not tape.replay:
+            if tape is not None and not replay:
                 chosen.append(idx)
             outs.append(o)
             if train and self.balancer == "quantile":

@@ -19,7 +19,9 @@ backpropagated like an RNN with checkpoints at the chunk boundaries:
    The sweep stops before the last chunk (`memory.seq_skip_last`, on): what it would record there
    is read by no one, so the backward sweep builds that chunk first without forced selections, its
    DSA layers selecting through the sweep's indexer caches and its MoE layers recording their
-   routing in the first pass, both replayed by the block recompute.
+   routing in the first pass, both replayed by the block recompute. For the same reason the sweep
+   runs the last block's mixer only for its caches and selection (no attention output, no MoE):
+   the backward sweep's first pass over each chunk routes that MoE (`RoutingTape.live`).
 2. backward sweep, last chunk first: rebuild chunk c from its embeddings and the recorded carries
    with a graph (each block under per-block checkpointing, so one block's activations live at a
    time), take its tokens' loss, and backpropagate it together with what the later chunks sent
@@ -50,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import ConfigError
 from ..layers.dsa import LatentPrefix
 from ..layers.kda import KDAState
-from ..layers.moe import RoutingTape, replaying, routing_tape
+from ..layers.moe import MoE, RoutingTape, replaying, routing_tape
 
 
 def check_supported(model) -> None:
@@ -107,6 +109,8 @@ class SequenceChunker:
         skip_last = self.skip_last_chunk and len(bounds) > 1
         carries, selections, caches = self._forward_sweep(model, input_ids, bounds, tape=tape, skip_last=skip_last)
         tape.replay = True
+        # the sweep ran the last block's mixer only: its MoE routes (and records) in each chunk's first pass
+        live_moe = {m for m in model.layers[-1].mlp.modules() if isinstance(m, MoE)}
         cfg, P = model.cfg, model.cfg.index_pool
         kl_layers = [i for i, b in enumerate(model.layers) if b.kind == "D" and b.mixer.indexer is not None]
         self._kl = None
@@ -139,10 +143,11 @@ class SequenceChunker:
             # outside tape is replayed) and keeps the balance bookkeeping; its recompute replays both
             first_pass = skip_last and ci == last
             tape.replay = not first_pass or routing is not None
+            tape.live = live_moe if routing is None and not first_pass else set()
             with (contextlib.nullcontext() if first_pass else replaying()), routing_tape(tape):
                 tl, ends = self._chunk_graph(model, input_ids[:, s0:s1], labels[:, s0:s1], s0, ci, carries,
                                              selections, latent, leaves, pools, caches if first_pass else None)
-            tape.replay = True
+            tape.replay, tape.live = True, set()
             loss = tl.sum() / n_tokens
             kl = sum(k for k, _, _ in pools.values()) if pools else None
             outs.append(loss if kl is None else loss + kl)
@@ -202,8 +207,11 @@ class SequenceChunker:
         With `losses` (a list): append each chunk's token losses and record nothing else. With `tape`:
         MoE routing records into (or replays from) it, positioned at each chunk's start. `skip_last`:
         stop before the last chunk, recording only the KDA carries at its start (the backward sweep
-        runs it first, with a graph)."""
+        runs it first, with a graph). A recording sweep runs the last block's mixer for its caches and
+        selection only: no attention output, no MLP or MoE (`live_moe`: the backward sweep routes that
+        MoE in each chunk's first pass)."""
         record = losses is None
+        last_block = len(model.layers) - 1
         B = input_ids.shape[0]
         caches = model.init_caches(B, device=input_ids.device, dtype=self._act_dtype(model, input_ids))
         carries = [[None] * len(bounds) for _ in model.layers]
@@ -218,7 +226,8 @@ class SequenceChunker:
                 for i, block in enumerate(model.layers):
                     if block.kind == "K" and record:
                         carries[i][ci] = (caches[i].recurrent.clone(), caches[i].conv.clone())
-                    state, sel = block(state, sel, cache=caches[i])
+                    # nothing reads the last block's output in a recording sweep: only its caches and selection
+                    state, sel = block(state, sel, cache=caches[i], caches_only=record and i == last_block)
                     if block.kind == "D" and block.mixer.indexer is not None and record:
                         selections[i][ci] = self._keep(sel, host, (i, ci))
                 if not record:
