@@ -158,3 +158,28 @@ def test_report_lists_peak_timelines_with_the_estimate_of_what_ran(tmp_path):
     assert f"| all_on | 262,144 | 129.50 | {whole['gpu_bytes'] / G:.2f} |" in md  # the later file's entry
     assert f"| torch | 262,144 | 110.00 | {torch_path['gpu_bytes'] / G:.2f} |" in md
     assert "'bwd start layers.11' .. 'bwd start layers.11.mlp' | 2 |" in md
+
+
+def test_profile_copies_are_attributed_to_a_line_or_an_autograd_node():
+    """--profile-stacks: each cast or copy of a profiled step is named by the innermost longctx frame
+    above it (forward) or its autograd node (backward), with the op that asked for it."""
+    import torch
+
+    from longctx.model import LongCtxModel
+
+    torch.manual_seed(0)
+    m = LongCtxModel(preset("tiny"))
+    ids = torch.randint(0, m.cfg.vocab_size, (1, 64))
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=acts, record_shapes=True, with_stack=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(ids, labels=ids)
+        out.loss.backward()
+    table = _bench()._copies_by_line(prof.events(), limit=10_000)
+    rows = table.splitlines()[1:]
+    assert rows and table.startswith("copies and casts by line")
+    assert any("longctx/layers/norms.py" in r for r in rows)  # _RMSNormFn's fp32 cast, in the forward
+    assert any("Backward" in r for r in rows)
+    assert sum(int(r.split()[2]) for r in rows) == sum(
+        1 for e in prof.events() if e.name == "aten::_to_copy"
+        or (e.name == "aten::copy_" and (e.cpu_parent is None or e.cpu_parent.name != "aten::_to_copy")))
