@@ -301,7 +301,8 @@ class Bench:
         self.impls = {"residual": getattr(args, "residual_impl", None) or "auto",
                       "indexer_kernel": getattr(args, "indexer_kernel", None) or "two_phase",
                       "kda_conv": getattr(args, "kda_conv", None) or "auto",
-                      "kda_norm": getattr(args, "kda_norm", None) or "auto"}
+                      "kda_norm": getattr(args, "kda_norm", None) or "auto",
+                      "norm": getattr(args, "norm_impl", None) or "torch"}
         self.model.set_impls(**self.impls)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.0,
                                      fused=self.dev.dev.type == "cuda")
@@ -333,7 +334,7 @@ class Bench:
                 "preset": "tiny" if self.args.cpu_smoke else "h200-ref", "params": n,
                 "autocast": str(self.dtype).replace("torch.", ""), "peak_tflops": PEAK_FLOPS / 1e12,
                 "residual_impl": self.impls["residual"], "indexer_kernel": self.impls["indexer_kernel"],
-                "kda_conv": self.impls["kda_conv"], "kda_norm": self.impls["kda_norm"],
+                "kda_conv": self.impls["kda_conv"], "kda_norm": self.impls["kda_norm"], "norm_impl": self.impls["norm"],
                 "cuda_alloc": self.cuda_alloc, "model": self.cfg.to_dict()}
 
     def save(self):
@@ -1022,6 +1023,8 @@ def main(argv=None) -> int:
                     help="the KDA short conv for every run (default auto: fla's causal_conv1d where KDA runs fla)")
     ap.add_argument("--kda-norm", choices=["auto", "torch", "fla"],
                     help="KDA's gated output norm for every run (default auto: fla's fused kernel where KDA runs fla; torch: ours)")
+    ap.add_argument("--norm-impl", choices=["auto", "torch", "triton"],
+                    help="every RMSNorm for every run (default torch; triton: the fused kernels, ops/rms_norm_triton.py)")
     ap.add_argument("--indexer-kernel", choices=["fused", "two_phase", "two_phase_radix"],
                     help="the indexers' Triton path for every run (default two_phase; fused: the one-kernel radix select)")
     ap.add_argument("--residual-impl", choices=["auto", "torch", "liger"],

@@ -32,6 +32,7 @@ RESIDUAL_IMPLS = ("auto", "torch", "liger")  # = longctx.layers.residual.RESIDUA
 INDEXER_KERNELS = ("fused", "two_phase", "two_phase_radix")  # = longctx.layers.kpool_indexer.INDEXER_KERNELS
 KDA_CONVS = ("auto", "torch", "fla")  # = longctx.layers.kda.CONV_IMPLS
 KDA_NORMS = ("auto", "torch", "fla")  # = longctx.layers.kda.NORM_IMPLS
+NORM_IMPLS = ("auto", "torch", "triton")  # = longctx.layers.norms.RMS_NORM_IMPLS
 SCHEDULES = ("cosine", "linear", "constant")
 MAIN_SOURCE = "main"  # the name of data.path inside a stage's data_mix
 
@@ -100,7 +101,9 @@ class TrainConfig:
     k-th select, the default; fused: one radix-select kernel; two_phase_radix: our own k-th select,
     no faster than torch.topk on the H200); `kda_conv` KDA's short conv (auto = fla's causal_conv1d
     wherever KDA runs fla's kernel, a decoding or sequence-chunk state's window included); `kda_norm`
-    KDA's gated output norm (auto = fla's fused kernel wherever KDA runs fla's kernel, as the conv). "liger" / "fla" need CUDA and the library, and a run that asks for one where it cannot
+    KDA's gated output norm (auto = fla's fused kernel wherever KDA runs fla's kernel, as the conv);
+    `norm_impl` every RMSNorm (torch, the default until the fused kernel is measured on the H200; triton =
+    longctx.ops.rms_norm_triton, same arithmetic and saved tensors; auto = triton on CUDA). "liger" / "fla" need CUDA and the library, and a run that asks for one where it cannot
     run stops at its first step with a ConfigError; "auto" takes torch there and warns on CUDA.
     """
 
@@ -124,6 +127,7 @@ class TrainConfig:
     indexer_kernel: str = "two_phase"  # fused | two_phase | two_phase_radix: the indexers' Triton path (GPU only)
     kda_conv: str = "auto"  # auto | torch | fla: KDA's short conv; auto = fla's where KDA runs fla's kernel
     kda_norm: str = "auto"  # auto | torch | fla: KDA's gated output norm; auto = fla's where KDA runs fla's kernel
+    norm_impl: str = "torch"  # auto | torch | triton: the RMSNorms; auto = the fused Triton kernels on CUDA
     memory: dict = field(default_factory=dict)  # the memory plan; validated by the memory system
     cuda_alloc: str = "expandable_segments:True"  # CUDA allocator settings (longctx.memory.allocator); "" = torch's
 
@@ -167,6 +171,7 @@ class TrainConfig:
         _choice("indexer_kernel", self.indexer_kernel, INDEXER_KERNELS)
         _choice("kda_conv", self.kda_conv, KDA_CONVS)
         _choice("kda_norm", self.kda_norm, KDA_NORMS)
+        _choice("norm_impl", self.norm_impl, NORM_IMPLS)
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             raise ConfigError(
                 f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 256 ids; "

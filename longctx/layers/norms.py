@@ -43,14 +43,52 @@ def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (weight * xf.to(x.dtype)).to(x.dtype)
 
 
+RMS_NORM_IMPLS = ("auto", "torch", "triton")  # the training setting norm_impl
+
+
 class RMSNorm(nn.Module):
+    """`impl` (the training setting norm_impl): "torch" runs `_RMSNormFn`; "triton" the fused kernels of
+    longctx/ops/rms_norm_triton.py (same arithmetic and saved tensors; a ConfigError where they cannot
+    run); "auto" the kernels on CUDA where they take the shape, else torch, with a warning on CUDA.
+    `last_impl` records which ran (the step log's implementation list)."""
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.impl = "torch"
+        self.last_impl: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._use_triton(x):
+            from ..ops.rms_norm_triton import rms_norm_triton
+
+            self.last_impl = "norm:triton"
+            return rms_norm_triton(x, self.weight, self.eps)
+        self.last_impl = "norm:torch"
         return _RMSNormFn.apply(x, self.weight, self.eps)
+
+    def _use_triton(self, x: torch.Tensor) -> bool:
+        if self.impl == "torch":
+            return False
+        if self.impl not in RMS_NORM_IMPLS:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"norm_impl must be one of {', '.join(RMS_NORM_IMPLS)} (got {self.impl!r}).")
+        from ..ops import rms_norm_triton as k
+
+        if self.impl == "triton":
+            k.check_supported(x, self.weight)  # raises with the shape and the fix
+            return True
+        if not x.is_cuda:
+            return False
+        if not k.runs_here(x, self.weight):
+            import warnings
+
+            warnings.warn(f"norm_impl auto: the fused RMSNorm does not take x {tuple(x.shape)} {x.dtype}; this norm "
+                          "runs the torch form", stacklevel=2)
+            return False
+        return True
 
 
 class GatedRMSNorm(nn.Module):
