@@ -337,27 +337,31 @@ def test_clamped_swiglu_keeps_only_gate_and_up():
     """mlp._ClampedSwiGLU: plain autograd's ops forward and backward (outputs and gradients
     bit-identical, values on the clamp bounds included), but only gate and up kept for backward (one
     storage where they are views of the experts' [2I] projection: 2 rows of the width, plain autograd 5)."""
-    from longctx.layers.mlp import clamped_swiglu, clamped_swiglu_plain
+    from longctx.layers.mlp import clamped_swiglu, clamped_swiglu_packed, clamped_swiglu_plain
 
     torch.manual_seed(0)
     T, I, lim = 40, 32, 1.5
     for dt in (torch.float64, torch.bfloat16):
-        h = (2 * torch.randn(T, 2 * I)).to(dt)
-        h[0, :4], h[0, I:I + 4] = lim, -lim
-        h.requires_grad_(True)
+        h0 = (2 * torch.randn(T, 2 * I)).to(dt)
+        h0[0, :4], h0[0, I:I + 4] = lim, -lim
         dy = torch.randn(T, I).to(dt)
-        meter = SavedTensorMeter()
-        with meter.measure():
-            y = clamped_swiglu(h[:, :I], h[:, I:], lim)
-        assert meter.total() == h.numel() * h.element_size()
-        gh, = torch.autograd.grad(y, (h,), dy)
-        h2 = h.detach().clone().requires_grad_(True)
+        h2 = h0.clone().requires_grad_(True)
         plain = SavedTensorMeter()
         with plain.measure():
             y2 = clamped_swiglu_plain(h2[:, :I], h2[:, I:], lim)
-        assert plain.total() == 5 * T * I * h.element_size()  # h (2 rows), clamped gate, its SiLU, clamped up
+        assert plain.total() == 5 * T * I * h0.element_size()  # h (2 rows), clamped gate, its SiLU, clamped up
         gh2, = torch.autograd.grad(y2, (h2,), dy)
-        assert torch.equal(y, y2) and torch.equal(gh, gh2)
+        # the two-view form (DenseMLP) and the packed one (the experts: one [2I] gradient, no slice backward)
+        for fn in (lambda h: clamped_swiglu(h[:, :I], h[:, I:], lim), lambda h: clamped_swiglu_packed(h, lim)):
+            h = h0.clone().requires_grad_(True)
+            meter = SavedTensorMeter()
+            with meter.measure():
+                y = fn(h)
+            assert meter.total() == h.numel() * h.element_size()
+            gh, = torch.autograd.grad(y, (h,), dy)
+            assert torch.equal(y, y2) and torch.equal(gh, gh2)
+        packed = clamped_swiglu_packed(h0.clone().requires_grad_(True), lim)
+        assert [type(f).__name__ for f, _ in packed.grad_fn.next_functions if f is not None] == ["AccumulateGrad"]
 
 
 def test_mhc_cast_recompute_keeps_no_fp32_copy():

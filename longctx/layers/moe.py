@@ -40,7 +40,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .mlp import DenseMLP, clamped_swiglu
+from .mlp import DenseMLP, clamped_swiglu_packed
 
 IMPLS = ("auto", "grouped_mm", "loop")
 
@@ -263,7 +263,7 @@ class Experts(nn.Module):
         self.limit = swiglu_limit
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
-        return clamped_swiglu(h[:, : self.intermediate], h[:, self.intermediate :], self.limit)
+        return clamped_swiglu_packed(h, self.limit)  # h: [rows, 2I], gate rows then up rows
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor, impl: str) -> torch.Tensor:
         """xs [N, hidden] sorted by expert, counts [E] rows per expert -> [N, hidden]."""
