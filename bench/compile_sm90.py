@@ -1,5 +1,5 @@
-"""Compile the indexer's and the sparse-attention backward's Triton kernels for the H200 (sm_90) without a
-GPU and print what ptxas says, with the MMA and atomic instructions the PTX uses.
+"""Compile the indexer's, the sparse-attention backward's and the fused RMSNorm's Triton kernels for the H200
+(sm_90) without a GPU and print what ptxas says, with the MMA and atomic instructions the PTX uses.
 
     python bench/compile_sm90.py
 
@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from longctx.ops.indexer.triton_kernel import _kpool_topk_kernel  # noqa: E402
 from longctx.ops.indexer.two_phase import _emit_from_scores_kernel, _kpool_score_kernel, _kth_score_kernel  # noqa: E402
+from longctx.ops.rms_norm_triton import _rms_norm_bwd, _rms_norm_fwd  # noqa: E402
 from longctx.ops.sparse_attention.triton_kernel import _sparse_attn_bwd  # noqa: E402
 
 
@@ -76,6 +77,14 @@ def main() -> int:
     rows += [
         compile_one("sparse bwd, heads-major (default, H=16)", _sparse_attn_bwd, sparse_ptrs,
                     dict(sparse, BLOCK_N=16), num_warps=4),
+    ]
+    # the fused RMSNorm at h200-ref's width (rows of 1536 in blocks of 2048, 8 warps: rms_norm_triton._warps)
+    norm_ptrs = {"X": "*bf16", "W": "*fp32", "Y": "*bf16", "DY": "*bf16", "DX": "*bf16", "RSTD": "*fp32",
+                 "DW_PART": "*fp32", "eps": "fp32"}
+    rows += [
+        compile_one("RMSNorm fwd (bf16 x, fp32 weight)", _rms_norm_fwd, norm_ptrs, dict(BLOCK_D=2048), num_warps=8),
+        compile_one("RMSNorm bwd (256 rows a program)", _rms_norm_bwd, norm_ptrs,
+                    dict(ROWS=256, BLOCK_D=2048, WANT_DW=True), num_warps=8),
     ]
     print(f"triton {triton.__version__}, target sm_90a")
     for r in rows:
