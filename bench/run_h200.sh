@@ -71,8 +71,8 @@ variants)
   done
   ;;
 sparse)
-  # DSA sparse attention vs dense SDPA, the backward with vector and with scalar dkv atomics
-  # (SPARSE_ARGS, e.g. "--seqlens 32768,131072 --dense-max-seqlen 32768 --sweep")
+  # DSA sparse attention vs dense SDPA, forward and backward, and the tile sweep
+  # (SPARSE_ARGS, e.g. "--seqlens 32768,131072 --dense-max-seqlen 32768 --sweep --sweep-only 16:bwd")
   timeout $(left) python bench/sparse_attention.py --out "$OUT" ${SPARSE_ARGS:-} > "$OUT/sparse_attention.log" 2>&1
   tail -12 "$OUT/sparse_attention.log"
   ;;

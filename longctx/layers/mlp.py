@@ -19,7 +19,7 @@ class _ClampedSwiGLU(torch.autograd.Function):
     def forward(ctx, gate, up, limit):
         ctx.save_for_backward(gate, up)
         ctx.limit = limit
-        return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+        return clamped_swiglu_plain(gate, up, limit)
 
     @staticmethod
     def backward(ctx, dy):
@@ -33,9 +33,8 @@ def _swiglu_grads(gate, up, dy, lim, out_gate=None, out_up=None):
     gc = gate.clamp(max=lim)
     d_gc = torch.ops.aten.silu_backward(dy * up.clamp(-lim, lim), gc)
     zero = dy.new_zeros(())
-    d_gate = torch.where(gate <= lim, d_gc, zero, out=out_gate) if out_gate is not None else torch.where(gate <= lim, d_gc, zero)
-    ok = (up >= -lim) & (up <= lim)
-    d_up = torch.where(ok, dy * F.silu(gc), zero, out=out_up) if out_up is not None else torch.where(ok, dy * F.silu(gc), zero)
+    d_gate = torch.where(gate <= lim, d_gc, zero, out=out_gate)
+    d_up = torch.where((up >= -lim) & (up <= lim), dy * F.silu(gc), zero, out=out_up)
     return d_gate, d_up
 
 
@@ -50,7 +49,7 @@ class _ClampedSwiGLUPacked(torch.autograd.Function):
         ctx.save_for_backward(h)
         ctx.limit = limit
         I = h.shape[-1] // 2
-        return F.silu(h[..., :I].clamp(max=limit)) * h[..., I:].clamp(-limit, limit)
+        return clamped_swiglu_plain(h[..., :I], h[..., I:], limit)
 
     @staticmethod
     def backward(ctx, dy):

@@ -158,11 +158,11 @@ def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tenso
 # the bf16 outputs and input gradients (a Triton store converts its fp32 value to the pointer's type,
 # round-to-nearest-even as torch's cast; an fp32 buffer and a copy kernel per chunk cost ~0.15 s of
 # copies in a 128k step, bench/results/memory_runs/29_profile_131072_stacks.txt), and hand the kernels
-# the bf16 gradient directly (they load it and convert to fp32 themselves, exactly). Under the Triton
-# interpreter each token's values are those of liger's Functions bit for bit (same kernels, same
-# per-token arithmetic, the same fp32 -> bf16 rounding);
-# on the H200 the outputs are too, and the input gradients within 1.2e-5 rel-RMS (a bf16 gradient where
-# liger's Function passes an fp32 copy compiles another kernel: tests/mhc_chunk_check.py). The atomically
+# the bf16 gradient directly (they load it and convert to fp32 themselves, exactly). On the H200 (call 31)
+# the outputs and the pre op's input gradient are liger's Functions' bit for bit, the post-res op's input
+# gradients within 1.2e-5 rel-RMS (a bf16 gradient where liger's Function passes an fp32 copy compiles
+# another kernel: tests/mhc_chunk_check.py). Under the Triton interpreter they agree to one bf16 step:
+# the interpreter's fp32 -> bf16 store truncates where the GPU rounds to nearest. The atomically
 # accumulated coefficient gradients may differ in summation order, as between two runs of liger's own.
 # What stays: the bf16 outputs and gradients and the fp32 coefficient gradients ([N, n] and [N, n, n]).
 # `chunk` now only bounds a launch (the kernels' fp32 temporaries live in registers).

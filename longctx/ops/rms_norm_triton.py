@@ -17,20 +17,15 @@ Runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (the CPU tes
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ..errors import ConfigError
+from . import triton_interpreting as interpreting
 
 MAX_WIDTH = 16384  # one row per program: the whole row lives in registers
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def check_supported(x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -18,10 +18,9 @@ references compared against the kernel sort by (-score, pool).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .. import triton_interpreting
 from .naive import kpool_scores_torch, kpool_topk_torch, select_from_scores
 
 try:  # triton is optional on the CPU
@@ -47,7 +46,7 @@ def select_pools(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, 
     if backend == "triton":
         if kpool_topk_triton is None:
             raise ValueError("select_pools: backend='triton' needs the triton package; install it or use backend='torch'")
-        if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if q.device.type != "cuda" and not triton_interpreting():
             raise ValueError(
                 f"select_pools: backend='triton' needs CUDA tensors (got {q.device}); use backend='torch' "
                 f"or set TRITON_INTERPRET=1 before importing triton"

@@ -31,11 +31,11 @@ Shapes it cannot take raise a ValueError; there is no fallback path.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .. import triton_interpreting as _interpreting
 
 _MAX_HEADS = 128
 _MAX_D = 256
@@ -270,8 +270,6 @@ def _kpool_topk_kernel(
     tl.store(stat + 1, n_defer)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _fix_interpreter_loop_bounds() -> None:

@@ -21,11 +21,12 @@ Shapes it cannot take raise a ValueError; there is no fallback path.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .. import triton_interpreting as _interpreting
 
 _LOG2E = 1.4426950408889634
 _MAX_HEADS = 128
@@ -190,8 +191,6 @@ def _sparse_attn_bwd(
              dq.to(DQ.dtype.element_ty), mask=hd_ok)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> None:
