@@ -156,9 +156,9 @@ def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tenso
 # h200-ref: the measured peak's excess over the estimate (bench/results/memory_runs/16_peak_262144_*.txt).
 # The Functions below call the same kernels on `chunk` tokens at a time and let them store straight into
 # the bf16 outputs and input gradients (a Triton store converts its fp32 value to the pointer's type,
-# round-to-nearest-even as torch's cast; an fp32 buffer and a copy kernel per chunk cost ~0.15 s of
-# copies in a 128k step, bench/results/memory_runs/29_profile_131072_stacks.txt), and hand the kernels
-# the bf16 gradient directly (they load it and convert to fp32 themselves, exactly). On the H200 (call 31)
+# round-to-nearest-even as torch's cast; with an fp32 buffer and a copy kernel per chunk a 128k step's
+# copies and casts took 368 ms, without them 243 ms: bench/results/memory_runs/29_* and 31_*_stacks.txt),
+# and hand the kernels the bf16 gradient directly (they load it and convert to fp32 themselves, exactly). On the H200 (call 31)
 # the outputs and the pre op's input gradient are liger's Functions' bit for bit, the post-res op's input
 # gradients within 1.2e-5 rel-RMS (a bf16 gradient where liger's Function passes an fp32 copy compiles
 # another kernel: tests/mhc_chunk_check.py). Under the Triton interpreter they agree to one bf16 step:
