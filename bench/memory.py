@@ -302,7 +302,7 @@ class Bench:
                       "indexer_kernel": getattr(args, "indexer_kernel", None) or "two_phase",
                       "kda_conv": getattr(args, "kda_conv", None) or "auto",
                       "kda_norm": getattr(args, "kda_norm", None) or "auto",
-                      "norm": getattr(args, "norm_impl", None) or "torch"}
+                      "norm": getattr(args, "norm_impl", None) or "auto"}
         self.model.set_impls(**self.impls)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.0,
                                      fused=self.dev.dev.type == "cuda")
@@ -1024,7 +1024,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kda-norm", choices=["auto", "torch", "fla"],
                     help="KDA's gated output norm for every run (default auto: fla's fused kernel where KDA runs fla; torch: ours)")
     ap.add_argument("--norm-impl", choices=["auto", "torch", "triton"],
-                    help="every RMSNorm for every run (default torch; triton: the fused kernels, ops/rms_norm_triton.py)")
+                    help="every RMSNorm for every run (default auto: the fused kernels, ops/rms_norm_triton.py, on CUDA; torch: _RMSNormFn)")
     ap.add_argument("--indexer-kernel", choices=["fused", "two_phase", "two_phase_radix"],
                     help="the indexers' Triton path for every run (default two_phase; fused: the one-kernel radix select)")
     ap.add_argument("--residual-impl", choices=["auto", "torch", "liger"],

@@ -242,7 +242,7 @@ class LongCtxModel(nn.Module):
         mHC residual (`MHC.impl`, longctx.ops.mhc_liger); INDEXER_KERNELS for the indexers' Triton path
         (`KPoolIndexer.kernel`, two_phase by default); auto | torch | fla for the KDA short conv
         (`KimiDeltaAttention.conv_impl`, auto by default) and its gated output norm (`norm_impl`); auto | torch
-        | triton for every RMSNorm (`RMSNorm.impl`, the setting norm_impl, torch by default). None leaves a
+        | triton for every RMSNorm (`RMSNorm.impl`, the setting norm_impl, auto by default). None leaves a
         switch as it is.
         Whether liger or fla can run is checked at the first forward (a ConfigError there)."""
         from .errors import ConfigError

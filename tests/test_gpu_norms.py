@@ -70,6 +70,7 @@ def test_model_step_with_the_fused_norm():
     cfg = dataclasses.replace(preset("tiny"), index_heads=16)
     torch.manual_seed(0)
     m = LongCtxModel(cfg).cuda()
+    m.set_backend("torch")  # tiny's KDA chunk (16) is below fla's 32; what this test compares is the norms
     ids = torch.randint(0, cfg.vocab_size, (2, 256), device="cuda")
     out = {}
     for impl in ("torch", "triton"):

@@ -58,3 +58,22 @@ def test_activations_stay_in_the_autocast_dtype():
     assert seen and all(v == (torch.bfloat16, torch.bfloat16) for v in seen.values()), seen
     dsa = [c for c in caches if hasattr(c, "latent")]
     assert dsa and all(c.latent.view().dtype == torch.bfloat16 for c in dsa)
+
+
+def test_default_norms_train_without_triton_installed():
+    """`pip install -e .` (the main job's install) may bring no triton: with norm_impl auto, the default,
+    a CPU step never imports it and every RMSNorm runs the torch form. A subprocess, since this pytest
+    process may have imported triton already."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch\nfrom longctx.config import preset\nfrom longctx.model import LongCtxModel\n"
+            "from longctx.layers.norms import RMSNorm\n"
+            "m = LongCtxModel(preset('tiny'))\nids = torch.randint(0, 97, (1, 33))\n"
+            "m(ids, labels=ids).loss.backward()\n"
+            "norms = [x for x in m.modules() if isinstance(x, RMSNorm)]\n"
+            "assert norms and all(x.impl == 'auto' and x.last_impl == 'norm:torch' for x in norms)\n"
+            "print('ok', len(norms))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]

@@ -56,7 +56,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.impl = "torch"
+        self.impl = "auto"
         self.last_impl: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,12 +75,12 @@ class RMSNorm(nn.Module):
             from ..errors import ConfigError
 
             raise ConfigError(f"norm_impl must be one of {', '.join(RMS_NORM_IMPLS)} (got {self.impl!r}).")
-        from ..ops import rms_norm_triton as k
-
         if self.impl == "triton":
             return True  # TritonRMSNormFn checks the input and raises with the shape and the fix
         if not x.is_cuda:
-            return False
+            return False  # before the import: a CPU-only install may have no triton
+        from ..ops import rms_norm_triton as k
+
         if not k.runs_here(x, self.weight):
             import warnings
 
