@@ -1,4 +1,4 @@
-"""Compile the indexer's, the sparse-attention backward's and the fused RMSNorm's Triton kernels for the H200
+"""Compile the indexer's, the sparse-attention backward's, the fused RMSNorm's and SwiGLU's Triton kernels for the H200
 (sm_90) without a GPU and print what ptxas says, with the MMA and atomic instructions the PTX uses.
 
     python bench/compile_sm90.py
@@ -31,6 +31,8 @@ from longctx.ops.indexer.triton_kernel import _kpool_topk_kernel  # noqa: E402
 from longctx.ops.indexer.two_phase import _emit_from_scores_kernel, _kpool_score_kernel, _kth_score_kernel  # noqa: E402
 from longctx.ops.rms_norm_triton import _rms_norm_bwd, _rms_norm_fwd  # noqa: E402
 from longctx.ops.sparse_attention.triton_kernel import _sparse_attn_bwd  # noqa: E402
+from longctx.ops.swiglu_triton import BLOCK as SWIGLU_BLOCK  # noqa: E402
+from longctx.ops.swiglu_triton import _swiglu_bwd, _swiglu_fwd  # noqa: E402
 
 
 def _sig(kernel, pointers: dict, consts: dict) -> dict:
@@ -85,6 +87,13 @@ def main() -> int:
         compile_one("RMSNorm fwd (bf16 x, fp32 weight)", _rms_norm_fwd, norm_ptrs, dict(BLOCK_D=2048), num_warps=8),
         compile_one("RMSNorm bwd (256 rows a program)", _rms_norm_bwd, norm_ptrs,
                     dict(ROWS=256, BLOCK_D=2048, WANT_DW=True), num_warps=8),
+    ]
+    # the fused clamped SwiGLU (bf16, blocks of 1024 columns, 4 warps: swiglu_triton)
+    swiglu_ptrs = {n: "*bf16" for n in ("G", "U", "Y", "DY", "DG", "DU")}
+    swiglu_ptrs["limit"] = "fp32"
+    rows += [
+        compile_one("SwiGLU fwd (bf16)", _swiglu_fwd, swiglu_ptrs, dict(BLOCK=SWIGLU_BLOCK), num_warps=4),
+        compile_one("SwiGLU bwd (bf16)", _swiglu_bwd, swiglu_ptrs, dict(BLOCK=SWIGLU_BLOCK), num_warps=4),
     ]
     print(f"triton {triton.__version__}, target sm_90a")
     for r in rows:

@@ -302,7 +302,8 @@ class Bench:
                       "indexer_kernel": getattr(args, "indexer_kernel", None) or "two_phase",
                       "kda_conv": getattr(args, "kda_conv", None) or "auto",
                       "kda_norm": getattr(args, "kda_norm", None) or "auto",
-                      "norm": getattr(args, "norm_impl", None) or "auto"}
+                      "norm": getattr(args, "norm_impl", None) or "auto",
+                      "swiglu": getattr(args, "swiglu_impl", None) or "auto"}
         self.model.set_impls(**self.impls)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.0,
                                      fused=self.dev.dev.type == "cuda")
@@ -335,7 +336,7 @@ class Bench:
                 "autocast": str(self.dtype).replace("torch.", ""), "peak_tflops": PEAK_FLOPS / 1e12,
                 "residual_impl": self.impls["residual"], "indexer_kernel": self.impls["indexer_kernel"],
                 "kda_conv": self.impls["kda_conv"], "kda_norm": self.impls["kda_norm"], "norm_impl": self.impls["norm"],
-                "cuda_alloc": self.cuda_alloc, "model": self.cfg.to_dict()}
+                "swiglu_impl": self.impls["swiglu"], "cuda_alloc": self.cuda_alloc, "model": self.cfg.to_dict()}
 
     def save(self):
         tmp = self.path.with_suffix(".json.tmp")
@@ -1025,6 +1026,8 @@ def main(argv=None) -> int:
                     help="KDA's gated output norm for every run (default auto: fla's fused kernel where KDA runs fla; torch: ours)")
     ap.add_argument("--norm-impl", choices=["auto", "torch", "triton"],
                     help="every RMSNorm for every run (default auto: the fused kernels, ops/rms_norm_triton.py, on CUDA; torch: _RMSNormFn)")
+    ap.add_argument("--swiglu-impl", choices=["auto", "torch", "triton"],
+                    help="every clamped SwiGLU for every run (default auto: the fused kernels, ops/swiglu_triton.py, on CUDA; torch: layers/mlp.py)")
     ap.add_argument("--indexer-kernel", choices=["fused", "two_phase", "two_phase_radix"],
                     help="the indexers' Triton path for every run (default two_phase; fused: the one-kernel radix select)")
     ap.add_argument("--residual-impl", choices=["auto", "torch", "liger"],

@@ -230,31 +230,37 @@ class LongCtxModel(nn.Module):
                 for a in ("backend", "conv_impl", "norm_impl", "impl", "loss_impl") if hasattr(m, a)]
         try:
             self.set_backend("torch")
-            self.set_impls(loss="torch", residual="torch", kda_conv="torch", kda_norm="torch", norm="torch")
+            self.set_impls(loss="torch", residual="torch", kda_conv="torch", kda_norm="torch", norm="torch",
+                           swiglu="torch")
             yield self
         finally:
             for m, a, v in kept:
                 setattr(m, a, v)
 
     def set_impls(self, loss: str | None = None, residual: str | None = None, indexer_kernel: str | None = None,
-                  kda_conv: str | None = None, kda_norm: str | None = None, norm: str | None = None):
+                  kda_conv: str | None = None, kda_norm: str | None = None, norm: str | None = None,
+                  swiglu: str | None = None):
         """auto | torch | liger for the LM head + loss (`loss_impl`, longctx.ops.fused_loss) and for every
         mHC residual (`MHC.impl`, longctx.ops.mhc_liger); INDEXER_KERNELS for the indexers' Triton path
         (`KPoolIndexer.kernel`, two_phase by default); auto | torch | fla for the KDA short conv
         (`KimiDeltaAttention.conv_impl`, auto by default) and its gated output norm (`norm_impl`); auto | torch
-        | triton for every RMSNorm (`RMSNorm.impl`, the setting norm_impl, auto by default). None leaves a
+        | triton for every RMSNorm (`RMSNorm.impl`, the setting norm_impl, auto by default) and every clamped
+        SwiGLU (`DenseMLP.impl`, `Experts.impl`, the setting swiglu_impl, auto by default). None leaves a
         switch as it is.
         Whether liger or fla can run is checked at the first forward (a ConfigError there)."""
         from .errors import ConfigError
         from .layers.kda import CONV_IMPLS, NORM_IMPLS
         from .layers.kpool_indexer import INDEXER_KERNELS, KPoolIndexer
+        from .layers.mlp import SWIGLU_IMPLS, DenseMLP
+        from .layers.moe import Experts
         from .layers.norms import RMS_NORM_IMPLS, RMSNorm
         from .layers.residual import MHC, RESIDUAL_IMPLS
         from .ops.fused_loss import LOSS_IMPLS
 
         for name, v, allowed in (("loss_impl", loss, LOSS_IMPLS), ("residual_impl", residual, RESIDUAL_IMPLS),
                                  ("indexer_kernel", indexer_kernel, INDEXER_KERNELS), ("kda_conv", kda_conv, CONV_IMPLS),
-                                 ("kda_norm", kda_norm, NORM_IMPLS), ("norm_impl", norm, RMS_NORM_IMPLS)):
+                                 ("kda_norm", kda_norm, NORM_IMPLS), ("norm_impl", norm, RMS_NORM_IMPLS),
+                                 ("swiglu_impl", swiglu, SWIGLU_IMPLS)):
             if v is not None and v not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)} (got {v!r}).")
         if loss is not None:
@@ -270,6 +276,8 @@ class LongCtxModel(nn.Module):
                 m.norm_impl = kda_norm
             if norm is not None and isinstance(m, RMSNorm):
                 m.impl = norm
+            if swiglu is not None and isinstance(m, (DenseMLP, Experts)):
+                m.impl = swiglu
 
     # ------------------------------------------------------------------ decoding
     def init_caches(self, batch: int, device=None, dtype=None) -> list:

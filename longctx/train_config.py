@@ -33,6 +33,7 @@ INDEXER_KERNELS = ("fused", "two_phase", "two_phase_radix")  # = longctx.layers.
 KDA_CONVS = ("auto", "torch", "fla")  # = longctx.layers.kda.CONV_IMPLS
 KDA_NORMS = ("auto", "torch", "fla")  # = longctx.layers.kda.NORM_IMPLS
 NORM_IMPLS = ("auto", "torch", "triton")  # = longctx.layers.norms.RMS_NORM_IMPLS
+SWIGLU_IMPLS = ("auto", "torch", "triton")  # = longctx.layers.mlp.SWIGLU_IMPLS
 SCHEDULES = ("cosine", "linear", "constant")
 MAIN_SOURCE = "main"  # the name of data.path inside a stage's data_mix
 
@@ -103,8 +104,10 @@ class TrainConfig:
     wherever KDA runs fla's kernel, a decoding or sequence-chunk state's window included); `kda_norm`
     KDA's gated output norm (auto = fla's fused kernel wherever KDA runs fla's kernel, as the conv);
     `norm_impl` every RMSNorm (auto, the default, = triton on CUDA: longctx.ops.rms_norm_triton, same
-    arithmetic and saved tensors as torch's form, a 128k h200-ref step 4.13 -> 3.88 s on the H200). "liger" / "fla" need CUDA and the library, and a run that asks for one where it cannot
-    run stops at its first step with a ConfigError; "auto" takes torch there and warns on CUDA.
+    arithmetic and saved tensors as torch's form, a 128k h200-ref step 4.13 -> 3.88 s on the H200);
+    `swiglu_impl` every clamped SwiGLU, the dense MLPs' and the experts' (auto = triton on CUDA:
+    longctx.ops.swiglu_triton, one pass forward and backward, same saved tensors). "liger" / "fla" /
+    "triton" need CUDA and the library, and a run that asks for one where it cannot run stops at its first step with a ConfigError; "auto" takes torch there and warns on CUDA.
     """
 
     model: ModelConfig | None = None  # None = the preset's model
@@ -128,6 +131,7 @@ class TrainConfig:
     kda_conv: str = "auto"  # auto | torch | fla: KDA's short conv; auto = fla's where KDA runs fla's kernel
     kda_norm: str = "auto"  # auto | torch | fla: KDA's gated output norm; auto = fla's where KDA runs fla's kernel
     norm_impl: str = "auto"  # auto | torch | triton: the RMSNorms; auto = the fused Triton kernels on CUDA
+    swiglu_impl: str = "auto"  # auto | torch | triton: the MLPs' and experts' clamped SwiGLU; auto = fused Triton on CUDA
     memory: dict = field(default_factory=dict)  # the memory plan; validated by the memory system
     cuda_alloc: str = "expandable_segments:True"  # CUDA allocator settings (longctx.memory.allocator); "" = torch's
 
@@ -172,6 +176,7 @@ class TrainConfig:
         _choice("kda_conv", self.kda_conv, KDA_CONVS)
         _choice("kda_norm", self.kda_norm, KDA_NORMS)
         _choice("norm_impl", self.norm_impl, NORM_IMPLS)
+        _choice("swiglu_impl", self.swiglu_impl, SWIGLU_IMPLS)
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             raise ConfigError(
                 f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 256 ids; "

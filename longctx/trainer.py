@@ -126,7 +126,8 @@ class Trainer:
         self.model = LongCtxModel(cfg.model).to(self.device)
         self.model.set_backend(cfg.backend)
         self.model.set_impls(loss=cfg.loss_impl, residual=cfg.residual_impl, indexer_kernel=cfg.indexer_kernel,
-                             kda_conv=cfg.kda_conv, kda_norm=cfg.kda_norm, norm=cfg.norm_impl)
+                             kda_conv=cfg.kda_conv, kda_norm=cfg.kda_norm, norm=cfg.norm_impl,
+                             swiglu=cfg.swiglu_impl)
         self.opt = make_optimizer(self.model, cfg, self.device)
         self.step = 0
         self.before = None

@@ -60,28 +60,14 @@ def test_fused_rms_norm_keeps_what_the_torch_twin_keeps():
 
 
 def test_model_step_with_the_fused_norm():
-    """A bf16 step of a small model with norm_impl triton: the loss and every gradient as with torch's
-    norm to bf16 noise, and the step log's implementation list says which ran."""
-    import dataclasses
+    """A bf16 step with norm_impl triton is as close to an fp32 step as with torch's norm (gradients of
+    the whole model; tests/gpu_step_drift.py says why not triton against torch), and the step log says
+    which ran."""
+    from gpu_step_drift import step_drift
 
-    from longctx.config import preset
-    from longctx.model import LongCtxModel
-
-    cfg = dataclasses.replace(preset("tiny"), index_heads=16)
-    torch.manual_seed(0)
-    m = LongCtxModel(cfg).cuda()
-    m.set_backend("torch")  # tiny's KDA chunk (16) is below fla's 32; what this test compares is the norms
-    ids = torch.randint(0, cfg.vocab_size, (2, 256), device="cuda")
-    out = {}
-    for impl in ("torch", "triton"):
-        m.zero_grad(set_to_none=True)
-        m.set_impls(norm=impl)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = m(ids, labels=ids).loss
-        loss.backward()
-        assert f"norm:{impl}" in m.impl_report() and f"norm:{'torch' if impl == 'triton' else 'triton'}" not in m.impl_report()
-        out[impl] = (loss.item(), {n: p.grad.float().clone() for n, p in m.named_parameters() if p.grad is not None})
-    assert abs(out["triton"][0] - out["torch"][0]) <= 1e-2 * abs(out["torch"][0])
-    worst = max(_rel(out["triton"][1][n], g) for n, g in out["torch"][1].items() if g.norm() > 0)
-    print(f"model step: loss {out['torch'][0]:.5f} (torch) vs {out['triton'][0]:.5f} (triton), worst gradient rel-RMS {worst:.2e}")
-    assert worst <= 2e-2
+    r = step_drift(lambda m, impl: m.set_impls(norm=impl))
+    for impl, other in (("torch", "triton"), ("triton", "torch")):
+        assert f"norm:{impl}" in r[impl]["report"] and f"norm:{other}" not in r[impl]["report"]
+    print(f"model step vs fp32: gradients torch {r['torch']['err']:.4f}, triton {r['triton']['err']:.4f}; "
+          f"loss {r['torch']['loss_err']:.2e}, {r['triton']['loss_err']:.2e}")
+    assert r["triton"]["loss_err"] <= 5e-3 and r["triton"]["err"] <= 1.2 * r["torch"]["err"] + 5e-3

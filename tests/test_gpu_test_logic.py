@@ -72,3 +72,15 @@ def test_chunked_vs_whole_comparison_runs_and_holds_on_the_cpu():
     r = compare_chunked_with_whole(model, 512, 128)
     assert "moe:" in r["impl"] and r["whole_vs_fp32"] > 1e-3  # bf16 really ran; fp32 really differs
     assert_as_exact_as_whole(r)
+
+
+def test_step_drift_runs_on_the_cpu_and_tells_paths_apart():
+    """tests/gpu_step_drift.py (the norms' and SwiGLU's GPU model-step tests): on the CPU, with bf16
+    autocast, two runs of the same path drift from fp32 by the same amount, each run's step log names the
+    path it set, and the fp32 step (plain torch) is a real reference: the drift is above zero."""
+    from gpu_step_drift import step_drift
+
+    r = step_drift(lambda m, impl: m.set_impls(norm="torch", swiglu="torch"), impls=("a", "b"), device="cpu")
+    assert r["a"]["err"] == r["b"]["err"] and 0 < r["a"]["err"] < 0.5, r
+    assert "norm:torch" in r["a"]["report"] and "swiglu:torch" in r["a"]["report"]
+    assert r["a"]["loss_err"] < 5e-2

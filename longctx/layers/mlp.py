@@ -60,14 +60,51 @@ class _ClampedSwiGLUPacked(torch.autograd.Function):
         return dh, None
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+SWIGLU_IMPLS = ("auto", "torch", "triton")  # the training setting swiglu_impl
+
+
+def swiglu_uses_triton(impl: str, *ts: torch.Tensor) -> bool:
+    """`impl` (the training setting swiglu_impl): "torch" runs the Functions above; "triton" the fused
+    kernels of longctx/ops/swiglu_triton.py (same arithmetic and saved tensors; a ConfigError where they
+    cannot run); "auto" the kernels on CUDA where they take the input, else torch, with a warning on CUDA."""
+    if impl == "torch":
+        return False
+    if impl not in SWIGLU_IMPLS:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"swiglu_impl must be one of {', '.join(SWIGLU_IMPLS)} (got {impl!r}).")
+    if impl == "triton":
+        return True  # the Function checks the input and raises with what it takes and the fix
+    if not ts[0].is_cuda:
+        return False  # before the import: a CPU-only install may have no triton
+    from ..ops import swiglu_triton as k
+
+    if not k.runs_here(*ts):
+        import warnings
+
+        warnings.warn(f"swiglu_impl auto: the fused SwiGLU does not take {', '.join(str(t.dtype) for t in ts)} "
+                      "inputs; this SwiGLU runs the torch form", stacklevel=3)
+        return False
+    return True
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, impl: str = "torch") -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit), keeping only gate and up for backward."""
+    if swiglu_uses_triton(impl, gate, up):
+        from ..ops.swiglu_triton import clamped_swiglu_triton
+
+        return clamped_swiglu_triton(gate, up, limit)
     return _ClampedSwiGLU.apply(gate, up, limit)
 
 
-def clamped_swiglu_packed(h: torch.Tensor, limit: float) -> torch.Tensor:
+def clamped_swiglu_packed(h: torch.Tensor, limit: float, impl: str = "torch") -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit) of h = [gate | up] (the last dim split in halves)."""
     if h.shape[-1] % 2:
         raise ValueError(f"clamped_swiglu_packed: the last dim ({h.shape[-1]}) must be gate and up, of equal width.")
+    if swiglu_uses_triton(impl, h):
+        from ..ops.swiglu_triton import clamped_swiglu_packed_triton
+
+        return clamped_swiglu_packed_triton(h, limit)
     return _ClampedSwiGLUPacked.apply(h, limit)
 
 
@@ -83,6 +120,10 @@ class DenseMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.limit = swiglu_limit
+        self.impl = "auto"  # SWIGLU_IMPLS; `last_impl` says which ran (the step log)
+        self.last_impl: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        self.last_impl = "swiglu:triton" if swiglu_uses_triton(self.impl, gate, up) else "swiglu:torch"
+        return self.down_proj(clamped_swiglu(gate, up, self.limit, self.last_impl[7:]))

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .mlp import DenseMLP, clamped_swiglu_packed
+from .mlp import DenseMLP, clamped_swiglu_packed, swiglu_uses_triton
 
 IMPLS = ("auto", "grouped_mm", "loop")
 
@@ -261,9 +261,12 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(n_experts, hidden, intermediate))
         self.intermediate = intermediate
         self.limit = swiglu_limit
+        self.impl = "auto"  # mlp.SWIGLU_IMPLS; `last_impl` says which ran (the step log)
+        self.last_impl: str | None = None
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
-        return clamped_swiglu_packed(h, self.limit)  # h: [rows, 2I], gate rows then up rows
+        self.last_impl = "swiglu:triton" if swiglu_uses_triton(self.impl, h) else "swiglu:torch"
+        return clamped_swiglu_packed(h, self.limit, self.last_impl[7:])  # h: [rows, 2I], gate rows then up rows
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor, impl: str) -> torch.Tensor:
         """xs [N, hidden] sorted by expert, counts [E] rows per expert -> [N, hidden]."""

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from ..errors import ConfigError
 from . import triton_interpreting as interpreting
+from .triton_rounding import round_rne as _round
 
 MAX_WIDTH = 16384  # one row per program: the whole row lives in registers
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -49,21 +50,6 @@ def runs_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
     except ConfigError:
         return False
     return True
-
-
-@triton.jit
-def _round(v, dtype: tl.constexpr):
-    """fp32 -> `dtype` rounding to nearest even, as torch's casts. For bf16 the rounding is done on the
-    bits (add 0x7fff plus the lowest kept bit, drop the low half) and the cast is then exact: the GPU
-    rounds to nearest even by itself, but the Triton interpreter truncates (with or without
-    fp_downcast_rounding="rtne"), and the CPU test should check the arithmetic the GPU runs."""
-    if dtype == tl.float32:
-        return v
-    if dtype == tl.bfloat16:
-        b = v.to(tl.uint32, bitcast=True)
-        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-        return b.to(tl.float32, bitcast=True).to(dtype)
-    return v.to(dtype)
 
 
 @triton.jit
