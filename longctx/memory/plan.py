@@ -194,7 +194,7 @@ def plan_for_stage(cfg, stage, device, stage_index: int = 0) -> MemoryPlan:
     if est is not None and not est["fits"]:
         raise ConfigError(
             f"stages.{stage_index}.seq_len ({stage.seq_len:,} x batch {stage.batch_size}) does not fit on this device even with "
-            f"recompute, offload and sequence chunks (estimated {est['gpu_bytes'] / 2**30:.0f} GiB of {est['gpu_capacity'] / 2**30:.0f}); "
+            f"recompute, offload and sequence chunks (estimated {est['gpu_reserved_bytes'] / 2**30:.0f} GiB reserved of {est['gpu_capacity'] / 2**30:.0f}); "
             "lower the sequence length or batch size (see `longctx estimate`)."
         )
     return resolved
