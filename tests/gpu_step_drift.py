@@ -46,3 +46,14 @@ def step_drift(set_impl, impls=("torch", "triton"), seed: int = 0, device: str =
         r["err"] = rel_rms(r.pop("grads"), g_f)
         r["loss_err"] = rel_rms(r["loss"], loss_f)
     return got
+
+
+def assert_as_close_to_fp32(r: dict, tag: str) -> None:
+    """`step_drift`'s result for impls torch and triton: each step log names its own `tag` implementation
+    only, the loss is fp32's to 5e-3, and the triton path's gradients are no further from fp32 than the
+    torch path's (x1.2 + 5e-3)."""
+    for impl, other in (("torch", "triton"), ("triton", "torch")):
+        assert f"{tag}:{impl}" in r[impl]["report"] and f"{tag}:{other}" not in r[impl]["report"], r[impl]["report"]
+    print(f"model step vs fp32: gradients torch {r['torch']['err']:.4f}, triton {r['triton']['err']:.4f}; "
+          f"loss {r['torch']['loss_err']:.2e}, {r['triton']['loss_err']:.2e}")
+    assert r["triton"]["loss_err"] <= 5e-3 and r["triton"]["err"] <= 1.2 * r["torch"]["err"] + 5e-3
