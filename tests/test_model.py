@@ -77,3 +77,34 @@ def test_default_norms_train_without_triton_installed():
             "print('ok', len(norms))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
+
+
+def test_fused_kernels_auto_declines_aloud(monkeypatch):
+    """ops.fused_kernel_runs (norm_impl, swiglu_impl): under auto, a CUDA input the kernel does not take,
+    or a kernel module that does not import, runs the torch form with a RuntimeWarning naming the setting
+    and the fix; CPU inputs run torch silently (nothing was asked of the GPU); triton always runs the
+    kernel (which raises for what it cannot take); a wrong value is one ConfigError."""
+    import sys
+    import types
+
+    from longctx import errors
+    from longctx.errors import ConfigError
+    from longctx.ops import fused_kernel_runs
+
+    class FakeCuda:
+        is_cuda, shape, dtype = True, (3, 5), torch.float64
+
+    monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
+    monkeypatch.setitem(sys.modules, "longctx.ops.fake_kernel", types.SimpleNamespace(runs_here=lambda *t: False))
+    with pytest.warns(RuntimeWarning, match=r"swiglu_impl auto runs the torch form on CUDA .*\(3, 5\) torch.float64.*"
+                                            r"set swiglu_impl = 'torch'"):
+        assert not fused_kernel_runs("swiglu_impl", "auto", "fake_kernel", FakeCuda())
+    with pytest.warns(RuntimeWarning, match="norm_impl auto runs the torch form on CUDA because the fused kernel does not import"):
+        assert not fused_kernel_runs("norm_impl", "auto", "no_such_kernel", FakeCuda())
+    monkeypatch.setitem(sys.modules, "longctx.ops.fake_kernel", types.SimpleNamespace(runs_here=lambda *t: True))
+    assert fused_kernel_runs("swiglu_impl", "auto", "fake_kernel", FakeCuda())
+    assert not fused_kernel_runs("swiglu_impl", "auto", "no_such_kernel", torch.zeros(2))  # CPU: torch, no import
+    assert fused_kernel_runs("swiglu_impl", "triton", "no_such_kernel", torch.zeros(2))
+    assert not fused_kernel_runs("swiglu_impl", "torch", "fake_kernel", FakeCuda())
+    with pytest.raises(ConfigError, match="norm_impl must be one of auto, torch, triton"):
+        fused_kernel_runs("norm_impl", "fused", "fake_kernel", FakeCuda())

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import FUSED_IMPLS, fused_kernel_runs
+
 
 class _ClampedSwiGLU(torch.autograd.Function):
     """silu(min(gate, limit)) * clamp(up, -limit, limit) that keeps only gate and up for backward (one
@@ -60,32 +62,14 @@ class _ClampedSwiGLUPacked(torch.autograd.Function):
         return dh, None
 
 
-SWIGLU_IMPLS = ("auto", "torch", "triton")  # the training setting swiglu_impl
+SWIGLU_IMPLS = FUSED_IMPLS  # the training setting swiglu_impl
 
 
 def swiglu_uses_triton(impl: str, *ts: torch.Tensor) -> bool:
-    """`impl` (the training setting swiglu_impl): "torch" runs the Functions above; "triton" the fused
-    kernels of longctx/ops/swiglu_triton.py (same arithmetic and saved tensors; a ConfigError where they
-    cannot run); "auto" the kernels on CUDA where they take the input, else torch, with a warning on CUDA."""
-    if impl == "torch":
-        return False
-    if impl not in SWIGLU_IMPLS:
-        from ..errors import ConfigError
-
-        raise ConfigError(f"swiglu_impl must be one of {', '.join(SWIGLU_IMPLS)} (got {impl!r}).")
-    if impl == "triton":
-        return True  # the Function checks the input and raises with what it takes and the fix
-    if not ts[0].is_cuda:
-        return False  # before the import: a CPU-only install may have no triton
-    from ..ops import swiglu_triton as k
-
-    if not k.runs_here(*ts):
-        import warnings
-
-        warnings.warn(f"swiglu_impl auto: the fused SwiGLU does not take {', '.join(str(t.dtype) for t in ts)} "
-                      "inputs; this SwiGLU runs the torch form", stacklevel=3)
-        return False
-    return True
+    """`impl` (the training setting swiglu_impl): "torch" runs the Functions above, "triton" the fused
+    kernels of longctx/ops/swiglu_triton.py (same arithmetic and saved tensors), "auto" those on CUDA
+    (`ops.fused_kernel_runs`)."""
+    return fused_kernel_runs("swiglu_impl", impl, "swiglu_triton", *ts)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, impl: str = "torch") -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops import FUSED_IMPLS
+
 
 class _RMSNormFn(torch.autograd.Function):
     """weight * RMSNorm(x) in x's dtype that keeps x (in its own dtype) and one fp32 rstd per row for
@@ -43,7 +45,7 @@ def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (weight * xf.to(x.dtype)).to(x.dtype)
 
 
-RMS_NORM_IMPLS = ("auto", "torch", "triton")  # the training setting norm_impl
+RMS_NORM_IMPLS = FUSED_IMPLS  # the training setting norm_impl
 
 
 class RMSNorm(nn.Module):
@@ -69,25 +71,9 @@ class RMSNorm(nn.Module):
         return _RMSNormFn.apply(x, self.weight, self.eps)
 
     def _use_triton(self, x: torch.Tensor) -> bool:
-        if self.impl == "torch":
-            return False
-        if self.impl not in RMS_NORM_IMPLS:
-            from ..errors import ConfigError
+        from ..ops import fused_kernel_runs
 
-            raise ConfigError(f"norm_impl must be one of {', '.join(RMS_NORM_IMPLS)} (got {self.impl!r}).")
-        if self.impl == "triton":
-            return True  # TritonRMSNormFn checks the input and raises with the shape and the fix
-        if not x.is_cuda:
-            return False  # before the import: a CPU-only install may have no triton
-        from ..ops import rms_norm_triton as k
-
-        if not k.runs_here(x, self.weight):
-            import warnings
-
-            warnings.warn(f"norm_impl auto: the fused RMSNorm does not take x {tuple(x.shape)} {x.dtype}; this norm "
-                          "runs the torch form", stacklevel=2)
-            return False
-        return True
+        return fused_kernel_runs("norm_impl", self.impl, "rms_norm_triton", x, self.weight)
 
 
 class GatedRMSNorm(nn.Module):
