@@ -131,39 +131,56 @@ def effective(plan: MemoryPlan) -> dict:
 
 # ----------------------------------------------------------------------------- the device
 
-def _copies_by_line(events, limit: int = 40) -> str:
-    """The GPU time of aten::copy_ / aten::_to_copy (casts, layout copies) by the innermost longctx (or bench)
-    Python frame above them and the op that asked for them (autocast's casts sit under aten::linear, say):
-    which lines the profile's anonymous `aten::copy_` rows come from. Copies in the backward have no Python
-    frames; they are named by their autograd node."""
+COPY_OPS = ("aten::copy_", "aten::_to_copy")
+# the elementwise ops of the profile's anonymous rows (call 35: bf16 adds 84 ms, multiplies, wheres)
+ELEMENTWISE_OPS = ("aten::add", "aten::add_", "aten::mul", "aten::mul_", "aten::sub", "aten::div", "aten::where",
+                   "aten::clamp", "aten::neg", "aten::exp", "aten::sigmoid", "aten::silu", "aten::fill_", "aten::zero_")
+
+
+def _ops_by_line(events, names: tuple, title: str, limit: int = 40) -> str:
+    """The GPU time of the ops in `names` by the innermost longctx (or bench) Python frame above them and
+    the op that asked for them (autocast's casts sit under aten::linear, say): which lines the profile's
+    anonymous rows come from. Ops in the backward have no Python frames; they are named by their autograd
+    node. An op called by another op of `names` (copy_ under _to_copy) is counted once, under its caller."""
     by_line: dict[tuple, list] = {}
     for ev in events:
-        if ev.name not in ("aten::copy_", "aten::_to_copy"):
+        if ev.name not in names:
             continue
         p = ev.cpu_parent
-        if ev.name == "aten::copy_" and p is not None and p.name == "aten::_to_copy":
-            continue  # counted once, under its _to_copy
+        if p is not None and p.name in names:
+            continue  # counted once, under its caller
         op, where = None, None
         while p is not None and where is None:
             n = p.name
             if "longctx/" in n or "bench/" in n or "Backward" in n:
                 where = n
-            elif op is None and n.startswith("aten::") and n not in ("aten::to", "aten::_to_copy", "aten::copy_"):
+            elif op is None and n.startswith("aten::") and n not in ("aten::to",) + tuple(names):
                 op = n
             p = p.cpu_parent
         t = getattr(ev, "device_time_total", None)
         t = ev.cuda_time_total if t is None else t
-        row = by_line.setdefault((where or "?", op or ""), [0.0, 0, set()])
+        label = (op or "") if names == COPY_OPS else ev.name + (f" (in {op})" if op else "")
+        row = by_line.setdefault((where or "?", label), [0.0, 0, set()])
         row[0] += t
         row[1] += 1
         if ev.input_shapes and len(row[2]) < 2:
             row[2].add(str(ev.input_shapes[0]))
     rows = sorted(by_line.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))
     total = sum(r[0] for _, r in rows)
-    out = [f"copies and casts by line (GPU ms, calls, the op that asked, some input shapes); total {total / 1e3:.1f} ms"]
+    out = [f"{title} by line (GPU ms, calls, the op that asked, some input shapes); total {total / 1e3:.1f} ms"]
     for (where, op), (t, n, shapes) in rows[:limit]:
         out.append(f"{t / 1e3:9.1f} ms {n:6d}  {where}  {op}  {' '.join(sorted(shapes))}")
     return "\n".join(out)
+
+
+def _copies_by_line(events, limit: int = 40) -> str:
+    """aten::copy_ / aten::_to_copy (casts, layout copies) by line (`_ops_by_line`)."""
+    return _ops_by_line(events, COPY_OPS, "copies and casts", limit)
+
+
+def _elementwise_by_line(events, limit: int = 40) -> str:
+    """The elementwise ops (ELEMENTWISE_OPS) by line, each row naming the op where no caller op asked."""
+    return _ops_by_line(events, ELEMENTWISE_OPS, "elementwise ops", limit)
 
 
 class Device:
@@ -488,6 +505,7 @@ class Bench:
                     continue
         if self.args.profile_stacks:
             tables.append(_copies_by_line(prof.events()))
+            tables.append(_elementwise_by_line(prof.events()))
         path = self.out / f"profile_{S}.txt"
         body = "\n\n".join(tables)
         path.write_text(f"{self.res['command']}\nstep {step_s:.3f} s under the profiler at S={S}\n\n{body}\n")
@@ -1042,7 +1060,8 @@ def main(argv=None) -> int:
                          "allocating line; it failed inside the recompute backward on the H200 with torch 2.11)")
     ap.add_argument("--profile", type=int, metavar="S", help="after the runs, profile one warm all-on step at S tokens")
     ap.add_argument("--profile-stacks", action="store_true",
-                    help="with --profile: record Python stacks and add a table of the copies and casts' GPU time by longctx line")
+                    help="with --profile: record Python stacks and add tables of the copies and casts' and the "
+                         "elementwise ops' GPU time by longctx line")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first step (the first run then includes compilation)")
     ap.add_argument("--report", nargs="+", metavar="FILE", help="merge these memory.json files into OUT "
                     "(memory.json, memory.png, memory_table.md); CPU only, nothing is run")

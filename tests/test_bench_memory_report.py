@@ -175,7 +175,8 @@ def test_profile_copies_are_attributed_to_a_line_or_an_autograd_node():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = m(ids, labels=ids)
         out.loss.backward()
-    table = _bench()._copies_by_line(prof.events(), limit=10_000)
+    bench = _bench()
+    table = bench._copies_by_line(prof.events(), limit=10_000)
     rows = table.splitlines()[1:]
     assert rows and table.startswith("copies and casts by line")
     assert any("longctx/layers/norms.py" in r for r in rows)  # _RMSNormFn's fp32 cast, in the forward
@@ -183,3 +184,11 @@ def test_profile_copies_are_attributed_to_a_line_or_an_autograd_node():
     assert sum(int(r.split()[2]) for r in rows) == sum(
         1 for e in prof.events() if e.name == "aten::_to_copy"
         or (e.name == "aten::copy_" and (e.cpu_parent is None or e.cpu_parent.name != "aten::_to_copy")))
+    # the elementwise table: every top-level elementwise op once, each row naming its op
+    ew = bench._elementwise_by_line(prof.events(), limit=10_000)
+    rows = ew.splitlines()[1:]
+    assert ew.startswith("elementwise ops by line") and rows and all("aten::" in r for r in rows)
+    assert any("longctx/layers/" in r for r in rows) and any("Backward" in r for r in rows)
+    top = [e for e in prof.events() if e.name in bench.ELEMENTWISE_OPS
+           and (e.cpu_parent is None or e.cpu_parent.name not in bench.ELEMENTWISE_OPS)]
+    assert sum(int(r.split()[2]) for r in rows) == len(top) > 0
