@@ -103,6 +103,8 @@ CONFIGS = {
     "loss_chunk_off": lambda p: dataclasses.replace(p, loss_chunk=0),
     "seq_chunk_off": lambda p: dataclasses.replace(p, seq_chunk="off"),
     "seq_skip_last_off": lambda p: dataclasses.replace(p, seq_skip_last=False),
+    # an opt-in switch on (off by default until measured): the recompute keeps the DSA attention output
+    "reuse_attention_on": lambda p: dataclasses.replace(p, reuse_attention=True),
     # not a switch: the auto plan's sequence chunk halved (twice the chunks), to time the chunk size
     "seq_chunk_half": lambda p: (dataclasses.replace(p, seq_chunk=str(p.seq_chunk_tokens() // 2))
                                  if p.seq_chunk_tokens() else p),

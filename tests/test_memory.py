@@ -8,6 +8,7 @@ from the tensors each block received."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -129,6 +130,70 @@ def test_recompute_same_loss_and_grads_and_keeps_only_block_inputs(residual, reu
     apply_plan(model, PLAIN)
     full = meter_model_step(model, ids, labels)
     assert full.bytes["layer0"] > 8 * meter.bytes["layer0"]
+
+
+def test_reuse_attention_same_grads_one_attention_forward_and_keeps_its_output():
+    """memory.reuse_attention: block recompute keeps each DSA block's attention output and log-sum-exp
+    and runs only the attention's backward (sparse_attention_bwd_torch on the CPU, the kernel's backward
+    on CUDA). The loss and every gradient equal the plain step's; the attention forward runs once per
+    DSA block, not twice; each DSA block keeps its output ([B, S, H, kv_lora] in the compute dtype) and
+    an fp32 lse beside what reuse_selection keeps; the step log names the kept path; off by default and
+    in the baseline."""
+    import longctx.ops.sparse_attention as sa
+
+    cfg = _cfg()
+    model = _model(cfg)
+    ids, labels = _batch(cfg)
+    ref = _step(model, ids, labels, PLAIN)
+    plan = MemoryPlan.from_dict({"recompute": "on", "offload": "off", "reuse_attention": True})
+    calls = []
+    orig = sa.sparse_attention_torch
+    sa.sparse_attention_torch = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        _assert_same(ref, _step(model, ids, labels, plan))
+        n_kept = len(calls)
+        assert "dsa:torch-sparse+kept x3" in model.impl_report()  # the recompute's, the last to run
+        calls.clear()
+        _step(model, ids, labels, RECOMPUTE)
+        n_plain = len(calls)
+    finally:
+        sa.sparse_attention_torch = orig
+    n_dsa = cfg.layer_kinds().count("D")
+    assert n_kept == n_dsa and n_plain == 2 * n_dsa, (n_kept, n_plain)
+
+    # what each block keeps: the meter, with and without the switch (mHC state in fp32, here no autocast)
+    kept_bytes = {}
+    for reuse in (False, True):
+        apply_plan(model, MemoryPlan.from_dict({"recompute": "on", "offload": "off", "reuse_attention": reuse}))
+        kept_bytes[reuse] = meter_model_step(model, ids, labels).bytes
+    H, L = cfg.attn_heads, cfg.kv_lora_rank
+    for i, kind in enumerate(cfg.layer_kinds()):
+        extra = B * S * H * (L * 4 + 4) if kind == "D" else 0  # fp32 model: o in fp32, lse fp32
+        assert kept_bytes[True][f"layer{i}"] - kept_bytes[False][f"layer{i}"] == extra, (i, kept_bytes)
+    assert not MemoryPlan().reuse_attention and not MemoryPlan.baseline().reuse_attention
+    apply_plan(model, PLAIN)
+
+
+def test_kept_attention_backward_twin_matches_autograd():
+    """sparse_attention_bwd_torch (the twin of the kernel's backward, from the forward's o and lse)
+    against autograd through the forward twin, fp64: padded (-1) slots, a query with none, repeated
+    indices, two sequences, chunks that do not divide S."""
+    from longctx.ops.sparse_attention import sparse_attention_bwd_torch, sparse_attention_torch
+
+    g = torch.Generator().manual_seed(0)
+    Bq, Sq, H, D, K = 2, 37, 3, 16, 9
+    q = torch.randn(Bq, Sq, H, D, dtype=torch.float64, generator=g).requires_grad_(True)
+    kv = torch.randn(Bq, Sq, D, dtype=torch.float64, generator=g).requires_grad_(True)
+    idx = torch.randint(-1, Sq, (Bq, Sq, K), generator=g, dtype=torch.int32)
+    idx[0, 3] = -1
+    idx[1, 5, :4] = 7
+    o, lse = sparse_attention_torch(q, kv, idx, 0.3, chunk=8, return_lse=True)
+    do = torch.randn(o.shape, dtype=torch.float64, generator=g)
+    o.backward(do)
+    dq, dkv = sparse_attention_bwd_torch(q.detach(), kv.detach(), idx, o.detach(), lse.detach(), do, 0.3, chunk=5)
+    torch.testing.assert_close(dq, q.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dkv, kv.grad, rtol=1e-12, atol=1e-12)
+    assert dq[0, 3].abs().max() == 0
 
 
 def test_kda_blocks_pass_the_selection_on_without_keeping_it():
@@ -454,7 +519,9 @@ def test_baseline_is_all_off_and_apply_plan_sets_the_modules():
     d = b.to_dict()
     assert [k for k, v in d.items() if v is True] == []
     assert (b.recompute, b.offload, b.moe_chunk, b.loss_chunk, b.mhc_chunk) == ("off", "off", 0, 0, 0)
-    assert all(v is True for k, v in MemoryPlan().to_dict().items() if isinstance(v, bool))
+    from longctx.memory.plan import OPT_IN
+
+    assert all(v is (k not in OPT_IN) for k, v in MemoryPlan().to_dict().items() if isinstance(v, bool))
 
     model = _model(_cfg())
     assert apply_plan(model, b) is None and model.block_fn is None
@@ -742,3 +809,24 @@ def test_chunked_estimate_counts_the_dsa_prefix_in_dsa_phases_and_both_chunk_cas
     assert any(n.startswith("last chunk: ") for n in names) and any(n.startswith("earlier chunks: ") for n in names)
     assert "the forward sweep" in names
     assert abs(e["gpu_bytes"] - max(e["phases_gpu_bytes"].values())) < 2**20  # the peak is the largest phase
+
+
+def test_estimate_counts_the_kept_attention_once():
+    """reuse_attention under block recompute: each DSA block keeps S x heads x (kv_lora x act bytes + 4)
+    more, and the peak (a DSA block's backward) rises by that for every DSA block but the one whose
+    recompute reuses it; the sequence-chunked step ignores the switch (estimate unchanged)."""
+    cfg = preset("h200-ref")
+    S = 131072
+    base = MemoryPlan.from_dict({"recompute": "on", "offload": "0", "seq_chunk": "off"})
+    on = dataclasses.replace(base, reuse_attention=True)
+    e0, e1 = estimate(cfg, S, base), estimate(cfg, S, on)
+    per = S * cfg.attn_heads * (cfg.kv_lora_rank * 2 + 4)
+    kinds = cfg.layer_kinds()
+    for i, k in enumerate(kinds):
+        name = f"layer {i} ({k})"
+        assert e1["kept_gpu"][name] - e0["kept_gpu"][name] == (per if k == "D" else 0), name
+    assert e1["peak_phase"] == e0["peak_phase"] == "the backward of layer 11 (D)"
+    assert e1["gpu_bytes"] - e0["gpu_bytes"] == (kinds.count("D") - 1) * per
+    chunked = MemoryPlan.from_dict({"recompute": "on", "offload": "0", "seq_chunk": "131072"})
+    assert estimate(cfg, 4 * S, chunked)["gpu_bytes"] == \
+        estimate(cfg, 4 * S, dataclasses.replace(chunked, reuse_attention=True))["gpu_bytes"]

@@ -76,18 +76,24 @@ class SparseMLA(nn.Module):
         self.attn_chunk = 256  # queries per pass of the torch twin (the indexer has its own `chunk`)
         self.last_impl: str | None = None
         self.indexer_loss_value: torch.Tensor | None = None
+        # memory.reuse_attention: a dict while a block recompute's first (no-grad) pass runs; _attend
+        # leaves the attention output and log-sum-exp in it (longctx/memory/recompute.py)
+        self.attention_keep: dict | None = None
 
     def init_cache(self, batch: int = 1, device=None, dtype=None) -> DSACache:
         """An empty decoding cache (its buffers take the shape, device and dtype of the first tokens)."""
         return DSACache()
 
     def forward(self, x: torch.Tensor, prev_selection: torch.Tensor | None = None, cache: DSACache | None = None,
-                forced_selection: torch.Tensor | None = None, caches_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                forced_selection: torch.Tensor | None = None, caches_only: bool = False,
+                forced_attention: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> (y [B, T, hidden], selection int32 [B, T, width]).
 
         prev_selection: the previous full layer's selection (required on shared layers).
         forced_selection: this layer's selection kept from the first forward (recompute with
         selection reuse): the indexer is not run again, and neither is its KL (the first pass has it).
+        forced_attention: (o, lse) of the attention over the same inputs, kept from the first forward
+        (recompute with attention reuse): only the attention's backward runs.
         cache: decoding state; x is then the T newest tokens and the selection holds absolute positions.
         caches_only (with a DSACache): append the latent rows and pooled keys and select, skip the
         attention; returns (None, selection) (the sequence-chunked sweep's last block).
@@ -137,7 +143,7 @@ class SparseMLA(nn.Module):
         if caches_only:
             return None, selection
 
-        o_lat = self._attend(q_abs, kv, selection)
+        o_lat = self._attend(q_abs, kv, selection, forced_attention)
         o = torch.einsum("bthl,hvl->bthv", o_lat, w[:, self.nope :])
         y = self.o_proj(o.reshape(B, T, H * self.v_dim))
 
@@ -153,7 +159,7 @@ class SparseMLA(nn.Module):
                                                            dense=dense)
         return y, selection
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, forced: tuple | None = None) -> torch.Tensor:
         if self.attn_impl == "dense":
             self.last_impl = "dsa:dense-masked"
             return sparse_ops.dense_masked_attention(q, kv, idx, self.scale)
@@ -162,14 +168,29 @@ class SparseMLA(nn.Module):
         if self.backend not in BACKENDS:
             raise ConfigError(f"DSA backend must be one of {', '.join(BACKENDS)} (got {self.backend!r}).")
         kernel = getattr(sparse_ops, "sparse_attention_triton", None)
+        keep = self.attention_keep is not None and not torch.is_grad_enabled()  # a recompute's first pass
         if self.backend == "triton" or (self.backend == "auto" and q.is_cuda and kernel is not None):
             if kernel is None:
                 raise ConfigError("DSA backend 'triton' was requested but longctx.ops.sparse_attention has no "
                                   "sparse_attention_triton kernel here; set the backend to 'auto' or 'torch'.")
             self.last_impl = "dsa:triton-sparse"
+            if forced is not None:  # raises (naming the shape) on what it cannot take, as the kernel
+                self.last_impl = "dsa:triton-sparse+kept"
+                return sparse_ops.kept_sparse_attention_triton(q, kv, idx, *forced, self.scale)
+            if keep:
+                o, lse = sparse_ops.sparse_attention_fwd(q, kv, idx, self.scale)
+                self.attention_keep.update(o=o, lse=lse)
+                return o
             return kernel(q, kv, idx, self.scale)  # raises (naming the shape) on what it cannot take
         if q.is_cuda and self.backend == "auto" and kernel is None:
             warn_fallback("DSA runs the plain-torch sparse twin on CUDA because the Triton kernel is not importable; "
                           "install triton or set backend=torch to accept it.")
         self.last_impl = "dsa:torch-sparse"
+        if forced is not None:
+            self.last_impl = "dsa:torch-sparse+kept"
+            return sparse_ops.kept_sparse_attention_torch(q, kv, idx, *forced, self.scale, chunk=self.attn_chunk)
+        if keep:
+            o, lse = sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk, return_lse=True)
+            self.attention_keep.update(o=o, lse=lse)
+            return o
         return sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk)

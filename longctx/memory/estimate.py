@@ -249,7 +249,9 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     (on the H200 at 1M the earlier chunks peaked 6.4 GiB over the last one: memory_runs/21_*)."""
     C = plan.seq_chunk_tokens()
     n_chunks = -(-S // C)
-    inner = dataclasses.replace(plan, seq_chunk="off", offload="0", recompute="on" if plan.recompute == "on" else "off")
+    # the chunked step recomputes blocks with torch's checkpoint: reuse_attention does not apply there
+    inner = dataclasses.replace(plan, seq_chunk="off", offload="0", recompute="on" if plan.recompute == "on" else "off",
+                                reuse_attention=False)
     kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
     L = cfg.kv_lora_rank
     per_row = L * a if "D" in kinds else 0  # the concatenated latent rows the kernel reads
@@ -345,9 +347,13 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     sel = S_local * cfg.index_width() * 4
     keeps_sel = _kept_selections(cfg, plan)
     kl = _indexer_kl_kept(cfg, S_local, a)
+    # reuse_attention: a DSA block under recompute keeps its attention output and fp32 lse (which its
+    # recompute then reuses rather than re-creating: not counted twice in its backward)
+    attn_kept = [S_local * cfg.attn_heads * (cfg.kv_lora_rank * a + 4) if recompute and plan.reuse_attention and k == "D"
+                 else 0 for k in kinds]
     kept = []
     for i, (k, blk) in enumerate(zip(kinds, per_block)):
-        b = state + (sel if keeps_sel[i] else 0) if recompute else state + sum(blk.values())
+        b = state + (sel if keeps_sel[i] else 0) + attn_kept[i] if recompute else state + sum(blk.values())
         if k == "D" and cfg.indexer_kinds()[i] == "f":
             b += kl
         (kept_host if i < n_off else kept_gpu)[f"layer {i} ({k})"] = b
@@ -374,7 +380,7 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     for i in reversed(range(L)):
         moe_i = moe_ws if mlps[i] == "m" else 0
         grads = (n_params if all_grads else head + per_block_params * (L - i)) * 4
-        work = {"recomputed block activations": sum(per_block[i].values()) if recompute else 0,
+        work = {"recomputed block activations": sum(per_block[i].values()) - attn_kept[i] if recompute else 0,
                 "state gradients (in flight)": 2 * state,
                 # the post-res backward opens the block's backward, the MoE's comes after: the larger counts
                 "MoE workspace": moe_i if moe_i >= mhc_ws else 0,

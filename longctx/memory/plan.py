@@ -13,6 +13,12 @@
                         buffers for the next (flat: the same       (seed 000's fix; re-pinning GiBs each
                         buffers every step; no re-pinning)         step: 51.2 s vs 18.3 s at 256k, H200)
     reuse_selection     recompute keeps the int32 selection        recompute re-runs the indexer
+    reuse_attention     (opt-in, off by default until measured on  recompute re-runs the sparse attention
+                        the H200) block recompute keeps each DSA   forward (the kept output costs
+                        layer's attention output and log-sum-exp   S x heads x kv_lora x 2 bytes per DSA
+                        from the forward and runs only its         layer: 2 GiB at 128k for h200-ref);
+                        backward (not in the sequence-chunked      the chunked step ignores it, with a
+                        step)                                      warning
     router_release      no router tensors outlive the forward      probabilities/indices kept on the module
     mhc_cast_recompute  mHC's fp32 input cast redone in backward  the fp32 copy saved
     mhc_chunk           liger's mHC stream ops over `mhc_chunk`   liger's own Functions: fp32 copies of
@@ -46,6 +52,9 @@ from ..config import _check_types
 from ..errors import ConfigError, did_you_mean
 from ..ops.mhc_liger import DEFAULT_CHUNK as DEFAULT_MHC_CHUNK
 
+# Switches off by default until a measurement on the H200 shows what they save (bench/NOTES.md "Next GPU calls").
+OPT_IN = ("reuse_attention",)
+
 
 @dataclass
 class MemoryPlan:
@@ -57,6 +66,7 @@ class MemoryPlan:
     pin_memory: bool = True
     keep_pinned: bool = True
     reuse_selection: bool = True
+    reuse_attention: bool = False
     router_release: bool = True
     mhc_cast_recompute: bool = True
     mhc_chunk: int = DEFAULT_MHC_CHUNK  # tokens per call of liger's mHC stream kernels (0 = liger's whole-sequence Functions)
@@ -71,7 +81,7 @@ class MemoryPlan:
     def baseline(cls) -> "MemoryPlan":
         """What a plain implementation does: every technique off."""
         return cls(sparse_kernel=False, chunked_indexer=False, recompute="off", offload="off", pin_memory=False,
-                   keep_pinned=False, reuse_selection=False, router_release=False, mhc_cast_recompute=False, moe_bf16_combine=False,
+                   keep_pinned=False, reuse_selection=False, reuse_attention=False, router_release=False, mhc_cast_recompute=False, moe_bf16_combine=False,
                    mhc_chunk=0, moe_chunk=0, loss_chunk=0, seq_chunk="off", seq_skip_last=False)
 
     @classmethod
@@ -167,12 +177,20 @@ def apply_plan(model, plan: MemoryPlan):
     if chunked:
         from .sequence_chunks import SequenceChunker
 
+        if plan.reuse_attention:
+            import warnings
+
+            warnings.warn("memory.reuse_attention applies to block recompute; the sequence-chunked step recomputes "
+                          "its blocks with torch's checkpoint and re-runs the attention forward (set it false to "
+                          "silence this).", stacklevel=2)
+
         model.block_fn = None
         return SequenceChunker(plan.seq_chunk_tokens(), checkpoint_blocks=plan.recompute == "on",
                                pin_memory=plan.pin_memory, skip_last_chunk=plan.seq_skip_last)
     if blocks:
         model.block_fn = RecomputePolicy(recompute=True, offload_layers=plan.offload_blocks(),
-                                         reuse_selection=plan.reuse_selection, pin_memory=plan.pin_memory,
+                                         reuse_selection=plan.reuse_selection, reuse_attention=plan.reuse_attention,
+                                         pin_memory=plan.pin_memory,
                                          keep_pinned=plan.keep_pinned)
     else:
         model.block_fn = None

@@ -1,7 +1,8 @@
 """Full activation recompute per block, with optional CPU offload of what it keeps.
 
 A block under recompute keeps only its input (and, with `reuse_selection`, the int32 indices its
-indexer chose): forward runs without a graph; backward reloads the input, re-runs the block with a
+indexer chose; with `reuse_attention`, a DSA block's attention output and log-sum-exp, so that the
+recompute runs only the attention's backward): forward runs without a graph; backward reloads the input, re-runs the block with a
 graph, and backpropagates through it, under the autocast state the forward ran with (backward
 runs outside the caller's autocast; a recompute without it would redo a bf16 block in fp32).
 Written as our own autograd.Function rather than
@@ -13,6 +14,8 @@ selection only when it reads it (a shared 's' DSA layer); others let it pass by.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -59,12 +62,15 @@ class _RecomputeBlock(torch.autograd.Function):
     def forward(ctx, holder, spec, selection, *flat):
         ctx.holder, ctx.spec = holder, spec
         ctx.autocast = _autocast_state(flat[0].device.type)
-        with torch.no_grad(), holder.paused():
+        with torch.no_grad(), holder.paused(), holder.keeping_attention() as attn:
             out_state, out_sel = holder.run(_unflatten(list(flat), spec), selection, None)
         keep_sel = out_sel if (holder.reuse_selection and out_sel is not None and out_sel is not selection) else None
+        keep_attn = [attn["o"], attn["lse"]] if attn else []
         ctx.has_sel_in = selection is not None
         ctx.has_sel_keep = keep_sel is not None
-        to_save = list(flat) + ([selection] if selection is not None else []) + ([keep_sel] if keep_sel is not None else [])
+        ctx.has_attn = bool(keep_attn)
+        to_save = (list(flat) + ([selection] if selection is not None else []) + ([keep_sel] if keep_sel is not None else [])
+                   + keep_attn)
         ctx.save_for_backward(*to_save)  # packed (and offloaded) by the caller's hooks once forward returns
         out_flat, ctx.out_spec = _flatten(out_state)
         holder.out_spec = ctx.out_spec
@@ -76,12 +82,15 @@ class _RecomputeBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _g_sel, *grads):
         saved = list(ctx.saved_tensors)
+        attn = tuple(saved[-2:]) if ctx.has_attn else None
+        if ctx.has_attn:
+            saved = saved[:-2]
         n = len(saved) - ctx.has_sel_in - ctx.has_sel_keep
         flat = [t.detach().requires_grad_(t.is_floating_point()) for t in saved[:n]]
         selection = saved[n] if ctx.has_sel_in else None
         kept = saved[n + ctx.has_sel_in] if ctx.has_sel_keep else None
         with torch.enable_grad(), _autocast_as(ctx.autocast):
-            out_state, _ = ctx.holder.run(_unflatten(flat, ctx.spec), selection, kept)
+            out_state, _ = ctx.holder.run(_unflatten(flat, ctx.spec), selection, kept, attn)
         outs, _ = _flatten(out_state)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         if pairs:
@@ -92,12 +101,28 @@ class _RecomputeBlock(torch.autograd.Function):
 class _Holder:
     """What the Function needs to re-run one block (kept off the graph's saved tensors)."""
 
-    def __init__(self, block, cu_seqlens, reuse_selection, offloader):
+    def __init__(self, block, cu_seqlens, reuse_selection, offloader, reuse_attention=False):
         self.block, self.cu_seqlens, self.reuse_selection, self.offloader = block, cu_seqlens, reuse_selection, offloader
+        self.reuse_attention = reuse_attention and block.kind == "D"
         self.out_spec = None
 
-    def run(self, state, selection, forced_selection):
-        return self.block(state, selection, cu_seqlens=self.cu_seqlens, forced_selection=forced_selection)
+    def run(self, state, selection, forced_selection, forced_attention=None):
+        kw = {"forced_attention": forced_attention} if forced_attention is not None else {}
+        return self.block(state, selection, cu_seqlens=self.cu_seqlens, forced_selection=forced_selection, **kw)
+
+    @contextlib.contextmanager
+    def keeping_attention(self):
+        """With `reuse_attention` on a DSA block: the mixer's first (no-grad) pass leaves its attention
+        output and log-sum-exp in the dict this yields (SparseMLA.attention_keep); otherwise yields None."""
+        if not self.reuse_attention:
+            yield None
+            return
+        mixer = self.block.mixer
+        mixer.attention_keep = keep = {}
+        try:
+            yield keep
+        finally:
+            mixer.attention_keep = None
 
     def offload_ctx(self):
         return _null() if self.offloader is None else self.offloader.hooks(self.block.idx)
@@ -119,10 +144,12 @@ class RecomputePolicy:
     `offload_layers` blocks (their inputs are needed last in backward, so the copies hide best)."""
 
     def __init__(self, recompute: bool = True, offload_layers: int = 0, reuse_selection: bool = True,
-                 pin_memory: bool = True, force_offload: bool = False, keep_pinned: bool = True):
+                 pin_memory: bool = True, force_offload: bool = False, keep_pinned: bool = True,
+                 reuse_attention: bool = False):
         self.recompute = recompute
         self.offload_layers = offload_layers
         self.reuse_selection = reuse_selection
+        self.reuse_attention = reuse_attention
         self.offloader = (Offloader(pin_memory=pin_memory, force=force_offload, keep_pinned=keep_pinned)
                           if offload_layers else None)
 
@@ -131,7 +158,7 @@ class RecomputePolicy:
             return block(state, selection, cu_seqlens=cu_seqlens)
         flat, spec = _flatten(state)
         off = self.offloader if block.idx < self.offload_layers else None
-        holder = _Holder(block, cu_seqlens, self.reuse_selection, off)
+        holder = _Holder(block, cu_seqlens, self.reuse_selection, off, self.reuse_attention)
         reads_sel = block.kind == "D" and block.mixer.indexer is None  # a shared ('s') DSA layer
         with holder.offload_ctx():
             out = _RecomputeBlock.apply(holder, spec, selection if reads_sel else None, *flat)

@@ -78,3 +78,57 @@ def _dense_fp32(q, kv, idx, scale):
     logits = logits.masked_fill(~mask[:, :, None, :], float("-inf"))
     p = torch.nan_to_num(torch.softmax(logits, -1), nan=0.0)
     return torch.einsum("bshk,bkd->bshd", p, kv.to(acc)).to(q.dtype)
+
+
+def sparse_attention_bwd_torch(q, kv, idx, o, lse, do, scale: float, chunk: int = 256):
+    """The backward of sparse attention from the forward's output and log-sum-exp, in torch: the twin of
+    the Triton kernel's backward (`triton_kernel.sparse_attention_bwd`). Returns (dq like q, dkv like kv).
+
+    With p = exp(scale q.c_j - lse) over the selected rows and Dt = sum_d dO o:
+    dq = scale sum_j p_j (dO.c_j - Dt) c_j, dc_j += p_j dO + scale p_j (dO.c_j - Dt) q (summed over heads
+    and over every query that selected j). In fp32 (fp64 for fp64 inputs), O(chunk x k x D) at a time."""
+    B, S, H, D = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    with torch.autocast(q.device.type, enabled=False):
+        dq = torch.empty(q.shape, dtype=acc, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        dt = (do.to(acc) * o.to(acc)).sum(-1)  # [B, S, H]
+        for s0 in range(0, S, chunk):
+            sl = slice(s0, s0 + chunk)
+            qi, doi, ii = q[:, sl].to(acc), do[:, sl].to(acc), idx[:, sl]
+            s = qi.shape[1]
+            valid = ii >= 0
+            safe = ii.clamp(min=0).long()
+            sel = torch.gather(kv, 1, safe.reshape(B, -1, 1).expand(-1, -1, D)).view(B, s, -1, D).to(acc)
+            logits = torch.einsum("bshd,bskd->bshk", qi, sel) * scale
+            p = torch.exp(logits - lse[:, sl, :, None].to(acc)).masked_fill(~valid[:, :, None, :], 0.0)
+            p = torch.nan_to_num(p, nan=0.0)  # rows with no valid slot (lse = -inf)
+            ds = p * (torch.einsum("bshd,bskd->bshk", doi, sel) - dt[:, sl, :, None])
+            dq[:, sl] = torch.einsum("bshk,bskd->bshd", ds, sel) * scale
+            dsel = torch.einsum("bshk,bshd->bskd", p, doi) + torch.einsum("bshk,bshd->bskd", ds, qi) * scale
+            dsel = dsel.masked_fill(~valid[..., None], 0.0)
+            for b in range(B):
+                dkv[b].index_add_(0, safe[b].reshape(-1), dsel[b].reshape(-1, D))
+    return dq.to(q.dtype), dkv.to(kv.dtype)
+
+
+class _KeptSparseAttentionTorch(torch.autograd.Function):
+    """Sparse attention whose forward was run before (a block recompute's first pass, `reuse_attention`):
+    returns the kept output; its backward is `sparse_attention_bwd_torch` from the kept o and lse."""
+
+    @staticmethod
+    def forward(ctx, q, kv, idx, o, lse, scale, chunk):
+        ctx.save_for_backward(q, kv, idx, o, lse)
+        ctx.scale, ctx.chunk = scale, chunk
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, kv, idx, o, lse = ctx.saved_tensors
+        dq, dkv = sparse_attention_bwd_torch(q, kv, idx, o, lse, do, ctx.scale, ctx.chunk)
+        return dq, dkv, None, None, None, None, None
+
+
+def kept_sparse_attention_torch(q, kv, idx, o, lse, scale: float, chunk: int = 256) -> torch.Tensor:
+    """o (kept from an earlier forward over the same q, kv, idx), differentiable in q and kv."""
+    return _KeptSparseAttentionTorch.apply(q, kv, idx, o, lse, float(scale), chunk)

@@ -329,6 +329,30 @@ class _SparseAttention(torch.autograd.Function):
         return dq, dkv, None, None
 
 
+class _KeptSparseAttention(torch.autograd.Function):
+    """The kernel's attention whose forward ran before (a block recompute's first pass,
+    `memory.reuse_attention`): returns the kept output, and its backward is the kernel's backward from
+    the kept o and lse. Saves what `_SparseAttention` saves, so the backward is the same."""
+
+    @staticmethod
+    def forward(ctx, q, kv, idx, o, lse, scale):
+        ctx.save_for_backward(q, kv, idx, o, lse)
+        ctx.scale = scale
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, kv, idx, o, lse = ctx.saved_tensors
+        dq, dkv = sparse_attention_bwd(q, kv, idx, o, lse, do, ctx.scale)
+        return dq, dkv, None, None, None, None
+
+
+def kept_sparse_attention_triton(q, kv, idx, o, lse, scale: float) -> torch.Tensor:
+    """o (kept from `sparse_attention_fwd` over the same q, kv, idx), differentiable in q and kv."""
+    _check(q, kv, idx)
+    return _KeptSparseAttention.apply(q, kv, idx, o, lse, float(scale))
+
+
 def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B,S,H,D], kv [B,S_kv,D], idx [B,S,K] int32 (-1 = unused) -> o [B,S,H,D]; differentiable in q, kv.
 
