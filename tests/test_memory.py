@@ -814,7 +814,7 @@ def test_chunked_estimate_counts_the_dsa_prefix_in_dsa_phases_and_both_chunk_cas
 def test_estimate_counts_the_kept_attention_once():
     """reuse_attention under block recompute: each DSA block keeps S x heads x (kv_lora x act bytes + 4)
     more, and the peak (a DSA block's backward) rises by that for every DSA block but the one whose
-    recompute reuses it; the sequence-chunked step ignores the switch (estimate unchanged)."""
+    recompute reuses it; in the sequence-chunked step the same per chunk."""
     cfg = preset("h200-ref")
     S = 131072
     base = MemoryPlan.from_dict({"recompute": "on", "offload": "0", "seq_chunk": "off"})
@@ -827,6 +827,6 @@ def test_estimate_counts_the_kept_attention_once():
         assert e1["kept_gpu"][name] - e0["kept_gpu"][name] == (per if k == "D" else 0), name
     assert e1["peak_phase"] == e0["peak_phase"] == "the backward of layer 11 (D)"
     assert e1["gpu_bytes"] - e0["gpu_bytes"] == (kinds.count("D") - 1) * per
-    chunked = MemoryPlan.from_dict({"recompute": "on", "offload": "0", "seq_chunk": "131072"})
-    assert estimate(cfg, 4 * S, chunked)["gpu_bytes"] == \
-        estimate(cfg, 4 * S, dataclasses.replace(chunked, reuse_attention=True))["gpu_bytes"]
+    chunked = MemoryPlan.from_dict({"recompute": "on", "offload": "0", "seq_chunk": str(S)})
+    c0, c1 = estimate(cfg, 4 * S, chunked), estimate(cfg, 4 * S, dataclasses.replace(chunked, reuse_attention=True))
+    assert c1["gpu_bytes"] - c0["gpu_bytes"] == (kinds.count("D") - 1) * per

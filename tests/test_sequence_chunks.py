@@ -61,6 +61,39 @@ def test_same_loss_and_grads_as_the_whole_sequence(residual, chunk, ckpt):
     assert torch.allclose(got.token_losses, m(x, labels=y, token_losses=True).token_losses, atol=1e-6)
 
 
+@pytest.mark.parametrize("indexer_loss", [False, True])
+def test_reuse_attention_in_the_chunked_step(indexer_loss):
+    """memory.reuse_attention in the chunked step: each DSA block's checkpoint records the attention
+    output and lse in its first pass and its recompute replays them (torch checkpoint's context_fn).
+    The loss and every gradient equal the chunked step without it (fp64; the indexer KL too), and the
+    sparse attention forward runs once per DSA block and chunk of the backward sweep instead of twice."""
+    import longctx.ops.sparse_attention as sa
+
+    m = _model(indexer_loss=indexer_loss)
+    x, y = _batch(m.cfg)
+    calls = []
+    orig = sa.sparse_attention_torch
+    sa.sparse_attention_torch = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    res = {}
+    try:
+        for reuse in (False, True):
+            m.zero_grad(set_to_none=True)
+            m.clear_aux()
+            calls.clear()
+            got = SequenceChunker(16, checkpoint_blocks=True, reuse_attention=reuse).forward_backward(m, x, y)
+            res[reuse] = (got.loss.item(), _grads(m), len(calls), m.impl_report())
+    finally:
+        sa.sparse_attention_torch = orig
+    (l0, g0, n0, _), (l1, g1, n1, report) = res[False], res[True]
+    assert l1 == pytest.approx(l0, rel=1e-12) and g0.keys() == g1.keys()
+    for n in g0:
+        err = (g1[n] - g0[n]).abs().max() / g0[n].abs().max().clamp_min(1e-30)
+        assert err < 1e-9, (n, err.item())
+    n_dsa, n_chunks = m.cfg.layer_kinds().count("D"), -(-x.shape[1] // 16)
+    assert n0 - n1 == n_dsa * n_chunks, (n0, n1)  # one recompute forward saved per DSA block and chunk
+    assert "dsa:torch-sparse+kept" in report
+
+
 @pytest.mark.parametrize("dense_below,chunk,ckpt", [(0, 16, True), (1000, 16, True), (0, 8, False)])
 def test_indexer_kl_is_carried_across_chunks(dense_below, chunk, ckpt):
     """The indexer KL (sparse, and the dense warm-up): earlier chunks' pooled keys are a leaf whose

@@ -76,8 +76,10 @@ class SparseMLA(nn.Module):
         self.attn_chunk = 256  # queries per pass of the torch twin (the indexer has its own `chunk`)
         self.last_impl: str | None = None
         self.indexer_loss_value: torch.Tensor | None = None
-        # memory.reuse_attention: a dict while a block recompute's first (no-grad) pass runs; _attend
-        # leaves the attention output and log-sum-exp in it (longctx/memory/recompute.py)
+        # memory.reuse_attention: a dict while a recompute's first pass runs, in which _attend leaves the
+        # attention output and log-sum-exp (longctx/memory/recompute.py: no-grad first pass;
+        # sequence_chunks.py: torch checkpoint's first pass, with grad); {"replay": (o, lse)} while the
+        # recompute runs (the chunked step's way to hand them back; block recompute passes `forced`)
         self.attention_keep: dict | None = None
 
     def init_cache(self, batch: int = 1, device=None, dtype=None) -> DSACache:
@@ -168,29 +170,36 @@ class SparseMLA(nn.Module):
         if self.backend not in BACKENDS:
             raise ConfigError(f"DSA backend must be one of {', '.join(BACKENDS)} (got {self.backend!r}).")
         kernel = getattr(sparse_ops, "sparse_attention_triton", None)
-        keep = self.attention_keep is not None and not torch.is_grad_enabled()  # a recompute's first pass
+        keep = self.attention_keep
+        if forced is None and keep is not None and "replay" in keep:
+            forced = keep["replay"]
+        record = forced is None and keep is not None  # a recompute's first pass: keep o and lse
         if self.backend == "triton" or (self.backend == "auto" and q.is_cuda and kernel is not None):
             if kernel is None:
                 raise ConfigError("DSA backend 'triton' was requested but longctx.ops.sparse_attention has no "
                                   "sparse_attention_triton kernel here; set the backend to 'auto' or 'torch'.")
             self.last_impl = "dsa:triton-sparse"
+            if record:
+                with torch.no_grad():
+                    forced = sparse_ops.sparse_attention_fwd(q, kv, idx, self.scale)
+                keep.update(o=forced[0], lse=forced[1])
+                if not torch.is_grad_enabled():
+                    return forced[0]
             if forced is not None:  # raises (naming the shape) on what it cannot take, as the kernel
-                self.last_impl = "dsa:triton-sparse+kept"
+                self.last_impl = "dsa:triton-sparse" if record else "dsa:triton-sparse+kept"
                 return sparse_ops.kept_sparse_attention_triton(q, kv, idx, *forced, self.scale)
-            if keep:
-                o, lse = sparse_ops.sparse_attention_fwd(q, kv, idx, self.scale)
-                self.attention_keep.update(o=o, lse=lse)
-                return o
             return kernel(q, kv, idx, self.scale)  # raises (naming the shape) on what it cannot take
         if q.is_cuda and self.backend == "auto" and kernel is None:
             warn_fallback("DSA runs the plain-torch sparse twin on CUDA because the Triton kernel is not importable; "
                           "install triton or set backend=torch to accept it.")
         self.last_impl = "dsa:torch-sparse"
+        if record:
+            with torch.no_grad():
+                forced = sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk, return_lse=True)
+            keep.update(o=forced[0], lse=forced[1])
+            if not torch.is_grad_enabled():
+                return forced[0]
         if forced is not None:
-            self.last_impl = "dsa:torch-sparse+kept"
+            self.last_impl = "dsa:torch-sparse" if record else "dsa:torch-sparse+kept"
             return sparse_ops.kept_sparse_attention_torch(q, kv, idx, *forced, self.scale, chunk=self.attn_chunk)
-        if keep:
-            o, lse = sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk, return_lse=True)
-            self.attention_keep.update(o=o, lse=lse)
-            return o
         return sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk)

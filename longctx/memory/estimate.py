@@ -249,9 +249,7 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     (on the H200 at 1M the earlier chunks peaked 6.4 GiB over the last one: memory_runs/21_*)."""
     C = plan.seq_chunk_tokens()
     n_chunks = -(-S // C)
-    # the chunked step recomputes blocks with torch's checkpoint: reuse_attention does not apply there
-    inner = dataclasses.replace(plan, seq_chunk="off", offload="0", recompute="on" if plan.recompute == "on" else "off",
-                                reuse_attention=False)
+    inner = dataclasses.replace(plan, seq_chunk="off", offload="0", recompute="on" if plan.recompute == "on" else "off")
     kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
     L = cfg.kv_lora_rank
     per_row = L * a if "D" in kinds else 0  # the concatenated latent rows the kernel reads

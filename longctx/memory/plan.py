@@ -16,9 +16,9 @@
     reuse_attention     (opt-in, off by default until measured on  recompute re-runs the sparse attention
                         the H200) block recompute keeps each DSA   forward (the kept output costs
                         layer's attention output and log-sum-exp   S x heads x kv_lora x 2 bytes per DSA
-                        from the forward and runs only its         layer: 2 GiB at 128k for h200-ref);
-                        backward (not in the sequence-chunked      the chunked step ignores it, with a
-                        step)                                      warning
+                        from the forward and runs only its         layer: 2 GiB at 128k for h200-ref,
+                        backward (block recompute and the          per chunk in the chunked step)
+                        sequence-chunked step's checkpoints)
     router_release      no router tensors outlive the forward      probabilities/indices kept on the module
     mhc_cast_recompute  mHC's fp32 input cast redone in backward  the fp32 copy saved
     mhc_chunk           liger's mHC stream ops over `mhc_chunk`   liger's own Functions: fp32 copies of
@@ -177,16 +177,11 @@ def apply_plan(model, plan: MemoryPlan):
     if chunked:
         from .sequence_chunks import SequenceChunker
 
-        if plan.reuse_attention:
-            import warnings
-
-            warnings.warn("memory.reuse_attention applies to block recompute; the sequence-chunked step recomputes "
-                          "its blocks with torch's checkpoint and re-runs the attention forward (set it false to "
-                          "silence this).", stacklevel=2)
 
         model.block_fn = None
         return SequenceChunker(plan.seq_chunk_tokens(), checkpoint_blocks=plan.recompute == "on",
-                               pin_memory=plan.pin_memory, skip_last_chunk=plan.seq_skip_last)
+                               pin_memory=plan.pin_memory, skip_last_chunk=plan.seq_skip_last,
+                               reuse_attention=plan.reuse_attention)
     if blocks:
         model.block_fn = RecomputePolicy(recompute=True, offload_layers=plan.offload_blocks(),
                                          reuse_selection=plan.reuse_selection, reuse_attention=plan.reuse_attention,

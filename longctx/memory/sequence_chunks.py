@@ -73,15 +73,18 @@ def check_chunk(model, chunk: int) -> None:
 class SequenceChunker:
     """The trainer's memory policy for a sequence-chunked stage: `forward_backward` replaces
     `model(x, labels=y).loss.backward()`. `chunk`: tokens per chunk; `checkpoint_blocks`: per-block
-    recompute inside a chunk; `selection_to_host`: keep selections in pinned host memory (CUDA)."""
+    recompute inside a chunk; `selection_to_host`: keep selections in pinned host memory (CUDA);
+    `reuse_attention`: a DSA block's recompute takes the attention output and lse of its first pass
+    rather than re-running the sparse forward (memory.reuse_attention)."""
 
     def __init__(self, chunk: int, checkpoint_blocks: bool = True, selection_to_host: bool = True,
-                 pin_memory: bool = True, skip_last_chunk: bool = True):
+                 pin_memory: bool = True, skip_last_chunk: bool = True, reuse_attention: bool = False):
         if chunk < 1:
             raise ConfigError(f"memory.seq_chunk must be >= 1 tokens (got {chunk}).")
         self.chunk, self.checkpoint_blocks = chunk, checkpoint_blocks
         self.selection_to_host, self.pin_memory = selection_to_host, pin_memory
         self.skip_last_chunk = skip_last_chunk  # memory.seq_skip_last
+        self.reuse_attention = reuse_attention  # memory.reuse_attention
         self.last_stats: dict = {}
         self._host: dict = {}  # (layer, chunk) -> pinned selection buffer, reused step after step
         self.progress = None  # optional callable(str): one line per chunk of each sweep (benchmarks)
@@ -327,8 +330,35 @@ class SequenceChunker:
 
     def _run(self, fn, block, state, sel, a, b, *more):
         if self.checkpoint_blocks:
-            return checkpoint(fn, block, state, sel, a, b, *more, use_reentrant=False)
+            kw = {}
+            if self.reuse_attention and block.kind == "D":
+                kept: dict = {}
+                kw["context_fn"] = lambda: (_KeepAttention(block.mixer, kept), _KeepAttention(block.mixer, kept, replay=True))
+            return checkpoint(fn, block, state, sel, a, b, *more, use_reentrant=False, **kw)
         return fn(block, state, sel, a, b, *more)
+
+
+class _KeepAttention:
+    """torch checkpoint's context for a DSA block with memory.reuse_attention: the first pass records the
+    attention output and lse in `kept` (SparseMLA.attention_keep); the recompute replays them, so its
+    sparse attention runs only its backward. Both passes save the same tensors (the kept-output Function's),
+    as checkpoint's determinism check requires."""
+
+    def __init__(self, mixer, kept: dict, replay: bool = False):
+        self.mixer, self.kept, self.replay = mixer, kept, replay
+
+    def __enter__(self):
+        if self.replay and "o" not in self.kept:
+            raise RuntimeError("memory.reuse_attention: the recompute found no kept attention (the first pass did not run "
+                               "the sparse attention)")
+        self.mixer.attention_keep = {"replay": (self.kept["o"], self.kept["lse"])} if self.replay else self.kept
+        return self
+
+    def __exit__(self, *exc):
+        self.mixer.attention_keep = None
+        if self.replay:
+            self.kept.clear()  # the recompute's graph holds what it needs
+        return False
 
 
 def _kda_block(block, state, sel, rec, conv):
