@@ -27,6 +27,9 @@ CASES = [
 ]
 
 
+KEPT_CASES = ("h2_d32_k13", "h16_d64_k13_kvlong")
+
+
 def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
@@ -35,8 +38,9 @@ def _run_cases() -> None:
     """Subprocess body: TRITON_INTERPRET=1 is already in the environment."""
     import torch
 
-    from longctx.ops.sparse_attention.naive import sparse_attention_torch
+    from longctx.ops.sparse_attention.naive import sparse_attention_bwd_torch, sparse_attention_torch
     from longctx.ops.sparse_attention.triton_kernel import (
+        kept_sparse_attention_triton,
         sparse_attention_fwd,
         sparse_attention_triton,
     )
@@ -69,6 +73,12 @@ def _run_cases() -> None:
             "lse_inf_match": bool(torch.equal(torch.isinf(lse), ~fin)),
             "empty_zero": float(o[0, 1].abs().max() + dq[0, 1].abs().max()),
         }
+        if name in KEPT_CASES:  # memory.reuse_attention: the backward from a kept (o, lse), and its torch twin
+            o_k = kept_sparse_attention_triton(q, kv, idx, o.detach(), lse, scale)
+            dq_k, dkv_k = torch.autograd.grad(o_k, (q, kv), do)
+            res["kept_equal"] = bool(torch.equal(o_k, o) and torch.equal(dq_k, dq) and torch.equal(dkv_k, dkv))
+            tq, tkv = sparse_attention_bwd_torch(q.detach(), kv.detach(), idx, o.detach(), lse, do, scale, chunk=5)
+            res["twin_dq"], res["twin_dkv"] = _rel(tq, dq), _rel(tkv, dkv)
         print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -88,6 +98,8 @@ def test_matches_torch_twin_fp32(interp_results, case):
     assert r["lse"] < 1e-5, r
     assert r["lse_inf_match"], r
     assert r["empty_zero"] == 0.0, r
+    if case in KEPT_CASES:
+        assert r["kept_equal"] and r["twin_dq"] < 1e-4 and r["twin_dkv"] < 1e-4, r
 
 
 def test_rejects_unsupported_shapes():
