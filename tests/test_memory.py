@@ -255,13 +255,16 @@ class _CheckedOffloader(Offloader):
         return out
 
 
-@pytest.mark.parametrize("residual", ["mhc", "attnres"])
-def test_offload_forced_on_cpu(residual):
+@pytest.mark.parametrize("residual,reuse_attention", [("mhc", False), ("attnres", False), ("mhc", True)])
+def test_offload_forced_on_cpu(residual, reuse_attention):
+    """reuse_attention: the kept attention output and lse go to the host with the block's input and come
+    back for its recompute (same gradients, more bytes offloaded)."""
     cfg = _cfg(residual)
     model = _model(cfg)
     ids, labels = _batch(cfg)
     ref = _step(model, ids, labels, PLAIN)
-    policy = RecomputePolicy(recompute=True, offload_layers=3, reuse_selection=True, pin_memory=False, force_offload=True)
+    policy = RecomputePolicy(recompute=True, offload_layers=3, reuse_selection=True, pin_memory=False, force_offload=True,
+                             reuse_attention=reuse_attention)
     policy.offloader = off = _CheckedOffloader(pin_memory=False, min_bytes=0, force=True)
     calls = []
     fetch = off._fetch
@@ -274,7 +277,10 @@ def test_offload_forced_on_cpu(residual):
     # blocks 0..2 offloaded, block 3 kept on the device
     assert off.group_order == [0, 1, 2]
     n = off.live_handles()
-    assert n == len(off.handles) >= 3 + 1  # three states and the kept selection of layer 1 at least
+    assert n == len(off.handles) >= 3 + 1 + 2 * reuse_attention  # states, layer 1's selection (and o, lse)
+    sizes = sorted(h.nbytes for h in off.handles)
+    # layers 1 and 2 (DSA, offloaded) hand their fp32 lse (and o) to the host too, and only with the switch
+    assert sizes.count(B * S * cfg.attn_heads * 4) == (2 if reuse_attention else 0), sizes
     assert off.bytes_offloaded == off._live_host == sum(h.nbytes for h in off.handles) > 0
     out.loss.backward()
     got = (out.loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None})
