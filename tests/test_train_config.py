@@ -167,6 +167,17 @@ def test_triton_norm_on_the_cpu_is_a_clean_config_error(tmp_path):
         load_train_config(None, "tiny", [*TINY_RUN, "norm_impl=fused"]).validate()
 
 
+def test_triton_swiglu_on_the_cpu_is_a_clean_config_error(tmp_path):
+    from longctx.trainer import Trainer
+
+    cfg = load_train_config(None, "tiny", [*TINY_RUN, "device=cpu", "swiglu_impl=triton"])
+    with pytest.raises(ConfigError) as e:
+        Trainer(cfg, out_dir=str(tmp_path), quiet=True).run(stop_after=1)
+    assert "SwiGLU 'triton' (setting swiglu_impl) needs CUDA" in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="swiglu_impl must be one of auto, torch, triton"):
+        load_train_config(None, "tiny", [*TINY_RUN, "swiglu_impl=fused"]).validate()
+
+
 def test_liger_on_the_cpu_exits_2_from_the_cli(tmp_path):
     import os
     import subprocess
