@@ -139,11 +139,12 @@ ELEMENTWISE_OPS = ("aten::add", "aten::add_", "aten::mul", "aten::mul_", "aten::
                    "aten::clamp", "aten::neg", "aten::exp", "aten::sigmoid", "aten::silu", "aten::fill_", "aten::zero_")
 
 
-def _ops_by_line(events, names: tuple, title: str, limit: int = 40) -> str:
+def _ops_by_line(events, names: tuple, title: str, limit: int = 40, name_each: bool = False) -> str:
     """The GPU time of the ops in `names` by the innermost longctx (or bench) Python frame above them and
     the op that asked for them (autocast's casts sit under aten::linear, say): which lines the profile's
     anonymous rows come from. Ops in the backward have no Python frames; they are named by their autograd
-    node. An op called by another op of `names` (copy_ under _to_copy) is counted once, under its caller."""
+    node. An op called by another op of `names` (copy_ under _to_copy) is counted once, under its caller.
+    `name_each`: rows name the op itself as well (for a family of different ops)."""
     by_line: dict[tuple, list] = {}
     for ev in events:
         if ev.name not in names:
@@ -161,7 +162,7 @@ def _ops_by_line(events, names: tuple, title: str, limit: int = 40) -> str:
             p = p.cpu_parent
         t = getattr(ev, "device_time_total", None)
         t = ev.cuda_time_total if t is None else t
-        label = (op or "") if names == COPY_OPS else ev.name + (f" (in {op})" if op else "")
+        label = ev.name + (f" (in {op})" if op else "") if name_each else op or ""
         row = by_line.setdefault((where or "?", label), [0.0, 0, set()])
         row[0] += t
         row[1] += 1
@@ -182,7 +183,7 @@ def _copies_by_line(events, limit: int = 40) -> str:
 
 def _elementwise_by_line(events, limit: int = 40) -> str:
     """The elementwise ops (ELEMENTWISE_OPS) by line, each row naming the op where no caller op asked."""
-    return _ops_by_line(events, ELEMENTWISE_OPS, "elementwise ops", limit)
+    return _ops_by_line(events, ELEMENTWISE_OPS, "elementwise ops", limit, name_each=True)
 
 
 class Device:

@@ -53,12 +53,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mixer_res, self.mlp_res = mixer_res, mlp_res
 
-    def forward(self, state, selection=None, cache=None, cu_seqlens=None, forced_selection=None, caches_only=False,
-                forced_attention=None):
+    def forward(self, state, selection=None, cache=None, cu_seqlens=None, forced_selection=None, caches_only=False):
         """One block. Returns (state, selection): DSA layers that run their indexer return theirs.
-        `forced_selection` (recompute with selection reuse) replaces this layer's indexer run;
-        `forced_attention` (recompute with attention reuse: the first pass's output and log-sum-exp)
-        replaces its attention forward.
+        `forced_selection` (recompute with selection reuse) replaces this layer's indexer run.
         `caches_only` (with `cache`): only update the decoding caches and select, for a sweep that reads
         nothing after this block; returns (None, selection)."""
         x, ctx = self.mixer_res.enter(state)
@@ -72,8 +69,7 @@ class Block(nn.Module):
         if self.kind == "K":
             y = self.mixer(x, state=cache, cu_seqlens=cu_seqlens)
         else:
-            y, selection = self.mixer(x, prev_selection=selection, cache=cache, forced_selection=forced_selection,
-                                      forced_attention=forced_attention)
+            y, selection = self.mixer(x, prev_selection=selection, cache=cache, forced_selection=forced_selection)
         state = self.mixer_res.exit(state, ctx, y)
         x, ctx = self.mlp_res.enter(state)
         state = self.mlp_res.exit(state, ctx, self.mlp(self.mlp_norm(x)))

@@ -156,26 +156,16 @@ def test_fla_conv_on_the_cpu_is_a_clean_config_error(tmp_path):
     assert "KDA norm 'fla' (setting kda_norm" in str(e.value) and "set kda_norm to 'auto' or 'torch'" in str(e.value)
 
 
-def test_triton_norm_on_the_cpu_is_a_clean_config_error(tmp_path):
+@pytest.mark.parametrize("setting,op", [("norm_impl", "RMSNorm"), ("swiglu_impl", "SwiGLU")])
+def test_triton_fused_op_on_the_cpu_is_a_clean_config_error(tmp_path, setting, op):
     from longctx.trainer import Trainer
 
-    cfg = load_train_config(None, "tiny", [*TINY_RUN, "device=cpu", "norm_impl=triton"])
+    cfg = load_train_config(None, "tiny", [*TINY_RUN, "device=cpu", f"{setting}=triton"])
     with pytest.raises(ConfigError) as e:
         Trainer(cfg, out_dir=str(tmp_path), quiet=True).run(stop_after=1)
-    assert "RMSNorm 'triton' (setting norm_impl) needs CUDA" in str(e.value), str(e.value)
-    with pytest.raises(ConfigError, match="norm_impl must be one of auto, torch, triton"):
-        load_train_config(None, "tiny", [*TINY_RUN, "norm_impl=fused"]).validate()
-
-
-def test_triton_swiglu_on_the_cpu_is_a_clean_config_error(tmp_path):
-    from longctx.trainer import Trainer
-
-    cfg = load_train_config(None, "tiny", [*TINY_RUN, "device=cpu", "swiglu_impl=triton"])
-    with pytest.raises(ConfigError) as e:
-        Trainer(cfg, out_dir=str(tmp_path), quiet=True).run(stop_after=1)
-    assert "SwiGLU 'triton' (setting swiglu_impl) needs CUDA" in str(e.value), str(e.value)
-    with pytest.raises(ConfigError, match="swiglu_impl must be one of auto, torch, triton"):
-        load_train_config(None, "tiny", [*TINY_RUN, "swiglu_impl=fused"]).validate()
+    assert f"{op} 'triton' (setting {setting}) needs CUDA" in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match=f"{setting} must be one of auto, torch, triton"):
+        load_train_config(None, "tiny", [*TINY_RUN, f"{setting}=fused"]).validate()
 
 
 def test_liger_on_the_cpu_exits_2_from_the_cli(tmp_path):

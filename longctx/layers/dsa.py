@@ -13,6 +13,8 @@ O(S^2) masked baseline. No silent fallback between them or between backends.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -76,10 +78,7 @@ class SparseMLA(nn.Module):
         self.attn_chunk = 256  # queries per pass of the torch twin (the indexer has its own `chunk`)
         self.last_impl: str | None = None
         self.indexer_loss_value: torch.Tensor | None = None
-        # memory.reuse_attention: a dict while a recompute's first pass runs, in which _attend leaves the
-        # attention output and log-sum-exp (longctx/memory/recompute.py: no-grad first pass;
-        # sequence_chunks.py: torch checkpoint's first pass, with grad); {"replay": (o, lse)} while the
-        # recompute runs (the chunked step's way to hand them back; block recompute passes `forced`)
+        # memory.reuse_attention: set by `keeping_attention` around a recompute's two passes
         self.attention_keep: dict | None = None
 
     def init_cache(self, batch: int = 1, device=None, dtype=None) -> DSACache:
@@ -87,15 +86,12 @@ class SparseMLA(nn.Module):
         return DSACache()
 
     def forward(self, x: torch.Tensor, prev_selection: torch.Tensor | None = None, cache: DSACache | None = None,
-                forced_selection: torch.Tensor | None = None, caches_only: bool = False,
-                forced_attention: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                forced_selection: torch.Tensor | None = None, caches_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> (y [B, T, hidden], selection int32 [B, T, width]).
 
         prev_selection: the previous full layer's selection (required on shared layers).
         forced_selection: this layer's selection kept from the first forward (recompute with
         selection reuse): the indexer is not run again, and neither is its KL (the first pass has it).
-        forced_attention: (o, lse) of the attention over the same inputs, kept from the first forward
-        (recompute with attention reuse): only the attention's backward runs.
         cache: decoding state; x is then the T newest tokens and the selection holds absolute positions.
         caches_only (with a DSACache): append the latent rows and pooled keys and select, skip the
         attention; returns (None, selection) (the sequence-chunked sweep's last block).
@@ -145,7 +141,7 @@ class SparseMLA(nn.Module):
         if caches_only:
             return None, selection
 
-        o_lat = self._attend(q_abs, kv, selection, forced_attention)
+        o_lat = self._attend(q_abs, kv, selection)
         o = torch.einsum("bthl,hvl->bthv", o_lat, w[:, self.nope :])
         y = self.o_proj(o.reshape(B, T, H * self.v_dim))
 
@@ -161,7 +157,7 @@ class SparseMLA(nn.Module):
                                                            dense=dense)
         return y, selection
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, forced: tuple | None = None) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         if self.attn_impl == "dense":
             self.last_impl = "dsa:dense-masked"
             return sparse_ops.dense_masked_attention(q, kv, idx, self.scale)
@@ -170,36 +166,52 @@ class SparseMLA(nn.Module):
         if self.backend not in BACKENDS:
             raise ConfigError(f"DSA backend must be one of {', '.join(BACKENDS)} (got {self.backend!r}).")
         kernel = getattr(sparse_ops, "sparse_attention_triton", None)
-        keep = self.attention_keep
-        if forced is None and keep is not None and "replay" in keep:
-            forced = keep["replay"]
-        record = forced is None and keep is not None  # a recompute's first pass: keep o and lse
         if self.backend == "triton" or (self.backend == "auto" and q.is_cuda and kernel is not None):
             if kernel is None:
                 raise ConfigError("DSA backend 'triton' was requested but longctx.ops.sparse_attention has no "
                                   "sparse_attention_triton kernel here; set the backend to 'auto' or 'torch'.")
+            # each raises (naming the shape) on what the kernel cannot take
             self.last_impl = "dsa:triton-sparse"
-            if record:
-                with torch.no_grad():
-                    forced = sparse_ops.sparse_attention_fwd(q, kv, idx, self.scale)
-                keep.update(o=forced[0], lse=forced[1])
-                if not torch.is_grad_enabled():
-                    return forced[0]
-            if forced is not None:  # raises (naming the shape) on what it cannot take, as the kernel
-                self.last_impl = "dsa:triton-sparse" if record else "dsa:triton-sparse+kept"
-                return sparse_ops.kept_sparse_attention_triton(q, kv, idx, *forced, self.scale)
-            return kernel(q, kv, idx, self.scale)  # raises (naming the shape) on what it cannot take
-        if q.is_cuda and self.backend == "auto" and kernel is None:
-            warn_fallback("DSA runs the plain-torch sparse twin on CUDA because the Triton kernel is not importable; "
-                          "install triton or set backend=torch to accept it.")
-        self.last_impl = "dsa:torch-sparse"
-        if record:
-            with torch.no_grad():
-                forced = sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk, return_lse=True)
-            keep.update(o=forced[0], lse=forced[1])
-            if not torch.is_grad_enabled():
-                return forced[0]
-        if forced is not None:
-            self.last_impl = "dsa:torch-sparse" if record else "dsa:torch-sparse+kept"
-            return sparse_ops.kept_sparse_attention_torch(q, kv, idx, *forced, self.scale, chunk=self.attn_chunk)
-        return sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk)
+            run = lambda: kernel(q, kv, idx, self.scale)  # noqa: E731
+            fwd = lambda: sparse_ops.sparse_attention_fwd(q, kv, idx, self.scale)  # noqa: E731
+            kept = lambda o, lse: sparse_ops.kept_sparse_attention_triton(q, kv, idx, o, lse, self.scale)  # noqa: E731
+        else:
+            if q.is_cuda and self.backend == "auto" and kernel is None:
+                warn_fallback("DSA runs the plain-torch sparse twin on CUDA because the Triton kernel is not importable; "
+                              "install triton or set backend=torch to accept it.")
+            self.last_impl = "dsa:torch-sparse"
+            run = lambda: sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk)  # noqa: E731
+            fwd = lambda: sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk,  # noqa: E731
+                                                            return_lse=True)
+            kept = lambda o, lse: sparse_ops.kept_sparse_attention_torch(q, kv, idx, o, lse, self.scale,  # noqa: E731
+                                                                         chunk=self.attn_chunk)
+        keep = self.attention_keep
+        if keep is None:
+            return run()
+        if "replay" in keep:  # a recompute: the first pass's output, only the backward runs
+            self.last_impl += "+kept"
+            return kept(*keep["replay"])
+        with torch.no_grad():  # a recompute's first pass: keep the output and lse
+            o, lse = fwd()
+        keep.update(o=o, lse=lse)
+        return kept(o, lse) if torch.is_grad_enabled() else o
+
+
+@contextlib.contextmanager
+def keeping_attention(mixer: SparseMLA, kept: dict, replay: bool = False):
+    """memory.reuse_attention around one of a recompute's two passes over a DSA block. First pass: the
+    mixer leaves its attention output and log-sum-exp in `kept` (with grad, as under torch checkpoint, it
+    returns them through the kept-output Function, so both passes save the same tensors). Replay (the
+    recompute): the mixer takes them from `kept` and runs only the attention's backward; `kept` is
+    emptied after, the recompute's graph holding what it needs. Used by longctx/memory/recompute.py and
+    sequence_chunks.py."""
+    if replay and "o" not in kept:
+        raise RuntimeError("memory.reuse_attention: the recompute found no kept attention (the first pass did not "
+                           "run the sparse attention)")
+    mixer.attention_keep = {"replay": (kept["o"], kept["lse"])} if replay else kept
+    try:
+        yield kept
+    finally:
+        mixer.attention_keep = None
+        if replay:
+            kept.clear()

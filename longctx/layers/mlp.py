@@ -109,5 +109,6 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        self.last_impl = "swiglu:triton" if swiglu_uses_triton(self.impl, gate, up) else "swiglu:torch"
-        return self.down_proj(clamped_swiglu(gate, up, self.limit, self.last_impl[7:]))
+        impl = "triton" if swiglu_uses_triton(self.impl, gate, up) else "torch"  # resolved once, named in the step log
+        self.last_impl = f"swiglu:{impl}"
+        return self.down_proj(clamped_swiglu(gate, up, self.limit, impl))

@@ -265,8 +265,9 @@ class Experts(nn.Module):
         self.last_impl: str | None = None
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
-        self.last_impl = "swiglu:triton" if swiglu_uses_triton(self.impl, h) else "swiglu:torch"
-        return clamped_swiglu_packed(h, self.limit, self.last_impl[7:])  # h: [rows, 2I], gate rows then up rows
+        impl = "triton" if swiglu_uses_triton(self.impl, h) else "torch"  # resolved once, named in the step log
+        self.last_impl = f"swiglu:{impl}"
+        return clamped_swiglu_packed(h, self.limit, impl)  # h: [rows, 2I], gate rows then up rows
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor, impl: str) -> torch.Tensor:
         """xs [N, hidden] sorted by expert, counts [E] rows per expert -> [N, hidden]."""

@@ -177,7 +177,6 @@ def apply_plan(model, plan: MemoryPlan):
     if chunked:
         from .sequence_chunks import SequenceChunker
 
-
         model.block_fn = None
         return SequenceChunker(plan.seq_chunk_tokens(), checkpoint_blocks=plan.recompute == "on",
                                pin_memory=plan.pin_memory, skip_last_chunk=plan.seq_skip_last,

@@ -19,6 +19,7 @@ import contextlib
 
 import torch
 
+from ..layers.dsa import keeping_attention
 from .offload import Offloader
 
 
@@ -62,7 +63,7 @@ class _RecomputeBlock(torch.autograd.Function):
     def forward(ctx, holder, spec, selection, *flat):
         ctx.holder, ctx.spec = holder, spec
         ctx.autocast = _autocast_state(flat[0].device.type)
-        with torch.no_grad(), holder.paused(), holder.keeping_attention() as attn:
+        with torch.no_grad(), holder.paused(), holder.attention_context() as attn:
             out_state, out_sel = holder.run(_unflatten(list(flat), spec), selection, None)
         keep_sel = out_sel if (holder.reuse_selection and out_sel is not None and out_sel is not selection) else None
         keep_attn = [attn["o"], attn["lse"]] if attn else []
@@ -89,8 +90,9 @@ class _RecomputeBlock(torch.autograd.Function):
         flat = [t.detach().requires_grad_(t.is_floating_point()) for t in saved[:n]]
         selection = saved[n] if ctx.has_sel_in else None
         kept = saved[n + ctx.has_sel_in] if ctx.has_sel_keep else None
-        with torch.enable_grad(), _autocast_as(ctx.autocast):
-            out_state, _ = ctx.holder.run(_unflatten(flat, ctx.spec), selection, kept, attn)
+        replay = ctx.holder.attention_context(attn) if ctx.has_attn else contextlib.nullcontext()
+        with torch.enable_grad(), _autocast_as(ctx.autocast), replay:
+            out_state, _ = ctx.holder.run(_unflatten(flat, ctx.spec), selection, kept)
         outs, _ = _flatten(out_state)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         if pairs:
@@ -106,23 +108,18 @@ class _Holder:
         self.reuse_attention = reuse_attention and block.kind == "D"
         self.out_spec = None
 
-    def run(self, state, selection, forced_selection, forced_attention=None):
-        kw = {"forced_attention": forced_attention} if forced_attention is not None else {}
-        return self.block(state, selection, cu_seqlens=self.cu_seqlens, forced_selection=forced_selection, **kw)
+    def run(self, state, selection, forced_selection):
+        return self.block(state, selection, cu_seqlens=self.cu_seqlens, forced_selection=forced_selection)
 
-    @contextlib.contextmanager
-    def keeping_attention(self):
-        """With `reuse_attention` on a DSA block: the mixer's first (no-grad) pass leaves its attention
-        output and log-sum-exp in the dict this yields (SparseMLA.attention_keep); otherwise yields None."""
-        if not self.reuse_attention:
-            yield None
-            return
-        mixer = self.block.mixer
-        mixer.attention_keep = keep = {}
-        try:
-            yield keep
-        finally:
-            mixer.attention_keep = None
+    def attention_context(self, replay: tuple | None = None):
+        """With `reuse_attention` on a DSA block (`dsa.keeping_attention`): the first pass yields the dict its
+        attention output and lse are left in; with `replay` = (o, lse) the recompute takes them. Otherwise
+        a context that yields None."""
+        if self.reuse_attention and replay is None:
+            return keeping_attention(self.block.mixer, {})
+        if self.reuse_attention:
+            return keeping_attention(self.block.mixer, {"o": replay[0], "lse": replay[1]}, replay=True)
+        return contextlib.nullcontext()
 
     def offload_ctx(self):
         return _null() if self.offloader is None else self.offloader.hooks(self.block.idx)

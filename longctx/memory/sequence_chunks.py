@@ -50,7 +50,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError
-from ..layers.dsa import LatentPrefix
+from ..layers.dsa import LatentPrefix, keeping_attention
 from ..layers.kda import KDAState
 from ..layers.moe import MoE, RoutingTape, replaying, routing_tape
 
@@ -333,32 +333,10 @@ class SequenceChunker:
             kw = {}
             if self.reuse_attention and block.kind == "D":
                 kept: dict = {}
-                kw["context_fn"] = lambda: (_KeepAttention(block.mixer, kept), _KeepAttention(block.mixer, kept, replay=True))
+                # the first pass records the attention output and lse, the recompute replays them
+                kw["context_fn"] = lambda: (keeping_attention(block.mixer, kept), keeping_attention(block.mixer, kept, replay=True))
             return checkpoint(fn, block, state, sel, a, b, *more, use_reentrant=False, **kw)
         return fn(block, state, sel, a, b, *more)
-
-
-class _KeepAttention:
-    """torch checkpoint's context for a DSA block with memory.reuse_attention: the first pass records the
-    attention output and lse in `kept` (SparseMLA.attention_keep); the recompute replays them, so its
-    sparse attention runs only its backward. Both passes save the same tensors (the kept-output Function's),
-    as checkpoint's determinism check requires."""
-
-    def __init__(self, mixer, kept: dict, replay: bool = False):
-        self.mixer, self.kept, self.replay = mixer, kept, replay
-
-    def __enter__(self):
-        if self.replay and "o" not in self.kept:
-            raise RuntimeError("memory.reuse_attention: the recompute found no kept attention (the first pass did not run "
-                               "the sparse attention)")
-        self.mixer.attention_keep = {"replay": (self.kept["o"], self.kept["lse"])} if self.replay else self.kept
-        return self
-
-    def __exit__(self, *exc):
-        self.mixer.attention_keep = None
-        if self.replay:
-            self.kept.clear()  # the recompute's graph holds what it needs
-        return False
 
 
 def _kda_block(block, state, sel, rec, conv):
