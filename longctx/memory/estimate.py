@@ -41,7 +41,7 @@ GPUS = {"h200": {"memory": 139.8 * GIB, "host": 125 * GIB}, "b200": {"memory": 1
         "cpu": {"memory": 24 * GIB, "host": 24 * GIB}}
 # The estimate is of the peak *allocated* bytes (what the tables compare it with). What the allocator
 # reserves is more: reserved over allocated at the peak on the H200 (bench/results/memory_table.md's two
-# peak columns) is 1.01-1.03 for the all-on runs with expandable segments (calls 20-34), up to 1.16 where a
+# peak columns) is 1.01-1.04 for the all-on runs with expandable segments (calls 20-36), up to 1.16 where a
 # large transient fragments the pool (loss_chunk_off at 128k, call 10). The fit rule counts this slack on
 # top of the estimate (`gpu_reserved_bytes`). Until call 34 the slack was part of the estimate itself,
 # which then over-estimated today's runs by +5..+10.5%.
