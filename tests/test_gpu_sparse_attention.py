@@ -109,7 +109,8 @@ def test_empty_rows_and_duplicates():
 @pytest.mark.parametrize("B,S,H", [(1, 2301, 16), (2, 333, 64)])
 def test_kept_attention_backward(B, S, H):
     """memory.reuse_attention's path: the kernel's backward from a kept (o, lse) equals the regular
-    Function's gradients bit for bit (the same kernel on the same saved tensors), and the backward's
+    Function's gradients (the same kernel on the same saved tensors: dq bit for bit; dkv to within one bf16
+    rounding step, since its fp32 atomics add in whatever order the CTAs run — call 38 saw it differ), and the backward's
     torch twin (sparse_attention_bwd_torch, fp32, from the kernel's o and lse) agrees within the
     gradient tolerance, on fresh random inputs with -1 padding and tails."""
     from longctx.ops.sparse_attention.naive import sparse_attention_bwd_torch
@@ -134,7 +135,14 @@ def test_kept_attention_backward(B, S, H):
     kept = kept_sparse_attention_triton(q, kv, idx, o, lse, scale)
     assert torch.equal(kept, o)
     got = torch.autograd.grad(kept, (q, kv), do)
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), seed
+    assert torch.equal(got[0], ref[0]), seed
+    # the fp32 sums are equal up to reordering (~1e-7 relative); their bf16 roundings then differ by at most
+    # one step of 2^-8 relative (and by fp32's reordering error where a sum cancels to near zero)
+    diff = (got[1].float() - ref[1].float()).abs()
+    ulp = ref[1].float().abs() * 2.0**-7 + ref[1].float().abs().max() * 1e-6
+    print(f"B={B} S={S} H={H} dkv: kept vs regular, {int((diff > 0).sum())} of {diff.numel()} elements differ, "
+          f"max {diff.max().item():.2e}")
+    assert bool((diff <= ulp).all()), (float((diff - ulp).max()), seed)
     twin = sparse_attention_bwd_torch(q.detach().float(), kv.detach().float(), idx, o.float(), lse, do.float(), scale,
                                       chunk=64)
     for name, a, b in zip(("dq", "dkv"), got, twin):
