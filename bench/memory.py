@@ -39,7 +39,9 @@ run with a "note" is a valid run like any other, and a later run marked "superse
 the earlier one. Each merged run records its "source" file (and "replaces": the files it replaced).
 The header (gpu, versions, capacity, model, ...) is the last file's, "invocations" are concatenated,
 and each of baseline_max_context, host_memory_with_offload, offload_pinned_vs_pageable is the last
-file's that has it (with its "source"); "peaks" (`--peak` timelines) are merged by key, a later
+file's that has it (with its "source"); runs recorded before `reuse_attention` became a default are
+first renamed from their recorded plan (their reuse_attention_on is today's all_on, their all_on under a
+recompute today's reuse_attention_off; `_renamed_for_today`); "peaks" (`--peak` timelines) are merged by key, a later
 file's replacing an earlier one's. Runs carrying "superseded" stay in the JSON but are left
 out of the figure and the table (listed under it with the reason). The table's estimates are
 recomputed with the current estimator (`longctx estimate`, gpu h200, bf16 activations) from each
@@ -103,8 +105,7 @@ CONFIGS = {
     "loss_chunk_off": lambda p: dataclasses.replace(p, loss_chunk=0),
     "seq_chunk_off": lambda p: dataclasses.replace(p, seq_chunk="off"),
     "seq_skip_last_off": lambda p: dataclasses.replace(p, seq_skip_last=False),
-    # an opt-in switch on (off by default until measured): the recompute keeps the DSA attention output
-    "reuse_attention_on": lambda p: dataclasses.replace(p, reuse_attention=True),
+    "reuse_attention_off": lambda p: dataclasses.replace(p, reuse_attention=False),
     # not a switch: the auto plan's sequence chunk halved (twice the chunks), to time the chunk size
     "seq_chunk_half": lambda p: (dataclasses.replace(p, seq_chunk=str(p.seq_chunk_tokens() // 2))
                                  if p.seq_chunk_tokens() else p),
@@ -121,6 +122,8 @@ def effective(plan: MemoryPlan) -> dict:
         d["pin_memory"] = d["keep_pinned"] = None
     if plan.recompute != "on" and not blocks:
         d["reuse_selection"] = None
+    if plan.recompute != "on" and not plan.seq_chunk_tokens():
+        d["reuse_attention"] = None  # only a recompute can reuse the attention output
     if not plan.chunked_indexer:
         d["indexer_chunk"] = None
     if not plan.seq_chunk_tokens():
@@ -804,6 +807,7 @@ def merge(paths) -> dict:
         peaks.update({k: {**v, "source": p.name} for k, v in d.get("peaks", {}).items()})
         invocations += [{**inv, "source": p.name} for inv in d.get("invocations", [])]
         for r in d.get("runs", []):
+            r = _renamed_for_today(r)
             key = (r["config"], r["seq_len"])
             new = {k: v for k, v in r.items() if k != "replaces"} | {"source": p.name}
             if key in runs:
@@ -815,6 +819,20 @@ def merge(paths) -> dict:
                 sections[k] = {**d[k], "source": p.name}
     return {**header, "merged_from": [p.name for p in paths], "invocations": invocations,
             "runs": list(runs.values()), **sections, **({"peaks": peaks} if peaks else {})}
+
+
+def _renamed_for_today(r: dict) -> dict:
+    """Runs made before `reuse_attention` was on by default (call 39) under today's config names: their
+    "reuse_attention_on" is today's all_on, and their all_on, where a recompute ran without it, is today's
+    reuse_attention_off. Decided from the run's recorded plan, so later runs are never renamed."""
+    plan = r.get("plan") or {}
+    name = r["config"]
+    if name == "reuse_attention_on":
+        name = "all_on"
+    elif (name == "all_on" and not plan.get("reuse_attention", False)
+          and (plan.get("recompute") == "on" or str(plan.get("seq_chunk", "off")).isdigit())):
+        name = "reuse_attention_off"
+    return r if name == r["config"] else {**r, "config": name, "recorded_as": r["config"]}
 
 
 def _estimator_version() -> str:

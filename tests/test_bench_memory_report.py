@@ -192,3 +192,22 @@ def test_profile_copies_are_attributed_to_a_line_or_an_autograd_node():
     top = [e for e in prof.events() if e.name in bench.ELEMENTWISE_OPS
            and (e.cpu_parent is None or e.cpu_parent.name not in bench.ELEMENTWISE_OPS)]
     assert sum(int(r.split()[2]) for r in rows) == len(top) > 0
+
+
+def test_runs_from_before_reuse_attention_became_a_default_are_renamed_by_their_plan():
+    """A run recorded as reuse_attention_on is today's all_on; a recorded all_on whose plan recomputed
+    without it is today's reuse_attention_off; an all_on without recompute, and every run whose plan has
+    it on, keep their names."""
+    bench = _bench()
+    old = MemoryPlan(reuse_attention=False)
+    runs = [
+        {"config": "reuse_attention_on", "seq_len": 131072, "plan": {**old.to_dict(), "recompute": "on", "reuse_attention": True}},
+        {"config": "all_on", "seq_len": 131072, "plan": {**old.to_dict(), "recompute": "on"}},
+        {"config": "all_on", "seq_len": 1 << 20, "plan": {**old.to_dict(), "recompute": "on", "seq_chunk": "131072"}},
+        {"config": "all_on", "seq_len": 8192, "plan": {**old.to_dict(), "recompute": "off", "seq_chunk": "off"}},
+        {"config": "all_on", "seq_len": 131072, "plan": {**MemoryPlan().to_dict(), "recompute": "on"}},
+        {"config": "mhc_chunk_off", "seq_len": 131072, "plan": {**old.to_dict(), "recompute": "on"}},
+    ]
+    names = [bench._renamed_for_today(r)["config"] for r in runs]
+    assert names == ["all_on", "reuse_attention_off", "reuse_attention_off", "all_on", "all_on", "mhc_chunk_off"]
+    assert bench._renamed_for_today(runs[1])["recorded_as"] == "all_on" and "recorded_as" not in bench._renamed_for_today(runs[4])

@@ -36,7 +36,7 @@ from longctx.model import LongCtxModel
 ROOT = Path(__file__).resolve().parents[1]
 S, B = 64, 2
 PLAIN = MemoryPlan.from_dict({"recompute": "off", "offload": "off"})
-RECOMPUTE = MemoryPlan.from_dict({"recompute": "on", "offload": "off"})
+RECOMPUTE = MemoryPlan.from_dict({"recompute": "on", "offload": "off", "reuse_attention": False})  # full recompute: a block keeps its input
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -94,7 +94,8 @@ def test_recompute_same_loss_and_grads_and_keeps_only_block_inputs(residual, reu
     model = _model(cfg)
     ids, labels = _batch(cfg)
     ref = _step(model, ids, labels, PLAIN)
-    plan = MemoryPlan.from_dict({"recompute": "on", "offload": "off", "reuse_selection": reuse})
+    # full recompute alone (reuse_attention adds the attention output: test_reuse_attention_...)
+    plan = MemoryPlan.from_dict({"recompute": "on", "offload": "off", "reuse_selection": reuse, "reuse_attention": False})
     _assert_same(ref, _step(model, ids, labels, plan))
 
     # What each block keeps, from the meter, against what it was given: its state, the incoming
@@ -137,7 +138,7 @@ def test_reuse_attention_same_grads_one_attention_forward_and_keeps_its_output()
     and runs only the attention's backward (sparse_attention_bwd_torch on the CPU, the kernel's backward
     on CUDA). The loss and every gradient equal the plain step's; the attention forward runs once per
     DSA block, not twice; each DSA block keeps its output ([B, S, H, kv_lora] in the compute dtype) and
-    an fp32 lse beside what reuse_selection keeps; the step log names the kept path; off by default and
+    an fp32 lse beside what reuse_selection keeps; the step log names the kept path; on by default, off
     in the baseline."""
     import longctx.ops.sparse_attention as sa
 
@@ -170,7 +171,7 @@ def test_reuse_attention_same_grads_one_attention_forward_and_keeps_its_output()
     for i, kind in enumerate(cfg.layer_kinds()):
         extra = B * S * H * (L * 4 + 4) if kind == "D" else 0  # fp32 model: o in fp32, lse fp32
         assert kept_bytes[True][f"layer{i}"] - kept_bytes[False][f"layer{i}"] == extra, (i, kept_bytes)
-    assert not MemoryPlan().reuse_attention and not MemoryPlan.baseline().reuse_attention
+    assert MemoryPlan().reuse_attention and not MemoryPlan.baseline().reuse_attention
     apply_plan(model, PLAIN)
 
 
@@ -203,7 +204,7 @@ def test_kda_blocks_pass_the_selection_on_without_keeping_it():
     model = _model(cfg)
     ids, labels = _batch(cfg)
     ref = _step(model, ids, labels, PLAIN)
-    plan = MemoryPlan.from_dict({"recompute": "on", "offload": "off", "reuse_selection": False})
+    plan = MemoryPlan.from_dict({"recompute": "on", "offload": "off", "reuse_selection": False, "reuse_attention": False})
     _assert_same(ref, _step(model, ids, labels, plan))
     apply_plan(model, plan)
     m = meter_model_step(model, ids, labels)
@@ -525,9 +526,7 @@ def test_baseline_is_all_off_and_apply_plan_sets_the_modules():
     d = b.to_dict()
     assert [k for k, v in d.items() if v is True] == []
     assert (b.recompute, b.offload, b.moe_chunk, b.loss_chunk, b.mhc_chunk) == ("off", "off", 0, 0, 0)
-    from longctx.memory.plan import OPT_IN
-
-    assert all(v is (k not in OPT_IN) for k, v in MemoryPlan().to_dict().items() if isinstance(v, bool))
+    assert all(v is True for v in MemoryPlan().to_dict().values() if isinstance(v, bool))  # every switch on by default
 
     model = _model(_cfg())
     assert apply_plan(model, b) is None and model.block_fn is None
@@ -637,6 +636,28 @@ def test_estimate_monotone_and_baseline_far_below_full_plan():
     assert abs(e["gpu_reserved_bytes"] - ALLOCATOR_SLACK * e["gpu_bytes"]) <= 1
     big = estimate(cfg, 2 * full, p)
     assert not big["fits"] and big["gpu_reserved_bytes"] > GPU_FIT * big["gpu_capacity"]
+
+
+def test_auto_plan_gives_up_reuse_attention_after_offload_and_before_chunking():
+    """The auto plan's order for the one switch that trades memory for speed: keep the attention output while
+    offloading blocks makes room, give it up before chunking the sequence, keep it inside a chunk where it
+    fits. Each plan it picks is the first that fits in that order, so the choice just before it does not."""
+    cfg = preset("h200-ref")
+    fits = lambda s, **kw: estimate(cfg, s, dataclasses.replace(MemoryPlan(), **kw))["fits"]  # noqa: E731
+    picked = {s: auto_plan(cfg, s, MemoryPlan())[0] for s in (131072, 327680, 557056, 1 << 20)}
+    p = picked[131072]
+    assert (p.recompute, p.offload_blocks(), p.reuse_attention) == ("on", 0, True)
+    p = picked[327680]  # offload some blocks, keep the attention output
+    n = p.offload_blocks()
+    assert p.recompute == "on" and n > 0 and p.reuse_attention and not p.seq_chunk_tokens()
+    assert not fits(327680, recompute="on", offload=str(n - 1), seq_chunk="off")
+    p = picked[557056]  # no offload count fits with it kept: dropped, still whole-sequence blocks
+    assert p.recompute == "on" and not p.reuse_attention and not p.seq_chunk_tokens()
+    assert not fits(557056, recompute="on", offload=str(cfg.num_layers), seq_chunk="off")
+    p = picked[1 << 20]  # chunked, with it kept per chunk
+    assert p.seq_chunk_tokens() > 0 and p.reuse_attention
+    # forced off, the plan never turns it on
+    assert not auto_plan(cfg, 131072, MemoryPlan.from_dict({"reuse_attention": False}))[0].reuse_attention
 
 
 def test_estimate_cli():
@@ -823,7 +844,7 @@ def test_estimate_counts_the_kept_attention_once():
     recompute reuses it; in the sequence-chunked step the same per chunk."""
     cfg = preset("h200-ref")
     S = 131072
-    base = MemoryPlan.from_dict({"recompute": "on", "offload": "0", "seq_chunk": "off"})
+    base = MemoryPlan.from_dict({"recompute": "on", "offload": "0", "seq_chunk": "off", "reuse_attention": False})
     on = dataclasses.replace(base, reuse_attention=True)
     e0, e1 = estimate(cfg, S, base), estimate(cfg, S, on)
     per = S * cfg.attn_heads * (cfg.kv_lora_rank * 2 + 4)
@@ -833,6 +854,6 @@ def test_estimate_counts_the_kept_attention_once():
         assert e1["kept_gpu"][name] - e0["kept_gpu"][name] == (per if k == "D" else 0), name
     assert e1["peak_phase"] == e0["peak_phase"] == "the backward of layer 11 (D)"
     assert e1["gpu_bytes"] - e0["gpu_bytes"] == (kinds.count("D") - 1) * per
-    chunked = MemoryPlan.from_dict({"recompute": "on", "offload": "0", "seq_chunk": str(S)})
+    chunked = MemoryPlan.from_dict({"recompute": "on", "offload": "0", "seq_chunk": str(S), "reuse_attention": False})
     c0, c1 = estimate(cfg, 4 * S, chunked), estimate(cfg, 4 * S, dataclasses.replace(chunked, reuse_attention=True))
     assert c1["gpu_bytes"] - c0["gpu_bytes"] == (kinds.count("D") - 1) * per

@@ -13,12 +13,13 @@
                         buffers for the next (flat: the same       (seed 000's fix; re-pinning GiBs each
                         buffers every step; no re-pinning)         step: 51.2 s vs 18.3 s at 256k, H200)
     reuse_selection     recompute keeps the int32 selection        recompute re-runs the indexer
-    reuse_attention     (opt-in, off by default until measured on  recompute re-runs the sparse attention
-                        the H200) block recompute keeps each DSA   forward (the kept output costs
-                        layer's attention output and log-sum-exp   S x heads x kv_lora x 2 bytes per DSA
-                        from the forward and runs only its         layer: 2 GiB at 128k for h200-ref,
-                        backward (block recompute and the          per chunk in the chunked step)
-                        sequence-chunked step's checkpoints)
+    reuse_attention     block recompute keeps each DSA layer's     recompute re-runs the sparse attention
+                        attention output and log-sum-exp from the  forward (the kept output costs
+                        forward and runs only its backward (block  S x heads x kv_lora x 2 bytes per DSA
+                        recompute and the sequence-chunked step's  layer: 2 GiB at 128k for h200-ref,
+                        checkpoints; the auto plan keeps it while  per chunk in the chunked step;
+                        offload makes room, drops it before the    H200: 3.50 vs 3.71 s at 128k, +4 GiB)
+                        sequence is chunked)
     router_release      no router tensors outlive the forward      probabilities/indices kept on the module
     mhc_cast_recompute  mHC's fp32 input cast redone in backward  the fp32 copy saved
     mhc_chunk           liger's mHC stream ops over `mhc_chunk`   liger's own Functions: fp32 copies of
@@ -52,9 +53,6 @@ from ..config import _check_types
 from ..errors import ConfigError, did_you_mean
 from ..ops.mhc_liger import DEFAULT_CHUNK as DEFAULT_MHC_CHUNK
 
-# Switches off by default until a measurement on the H200 shows what they save (bench/NOTES.md "Next GPU calls").
-OPT_IN = ("reuse_attention",)
-
 
 @dataclass
 class MemoryPlan:
@@ -66,7 +64,7 @@ class MemoryPlan:
     pin_memory: bool = True
     keep_pinned: bool = True
     reuse_selection: bool = True
-    reuse_attention: bool = False
+    reuse_attention: bool = True
     router_release: bool = True
     mhc_cast_recompute: bool = True
     mhc_chunk: int = DEFAULT_MHC_CHUNK  # tokens per call of liger's mHC stream kernels (0 = liger's whole-sequence Functions)
