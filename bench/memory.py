@@ -1004,10 +1004,12 @@ def run_estimate_args(r: dict) -> tuple[MemoryPlan, dict]:
     run's impl record (mhc:liger / mhc:torch), KDA's norm from it too (fla's where it says "+fla-norm";
     every run recorded before fla's norm existed ran ours), plain-autograd RMSNorms and SwiGLUs for calls up to
     LAST_CALL_WITH_PLAIN_OPS (by the call number of its source file; a run without one is taken as
-    recent), and mhc_chunk 0 for runs recorded before that switch existed (they ran liger's
-    whole-sequence Functions wherever they ran liger)."""
+    recent), mhc_chunk 0 for runs recorded before that switch existed (they ran liger's
+    whole-sequence Functions wherever they ran liger), and reuse_attention off for runs recorded before it
+    existed (they re-ran the attention forward)."""
     d = dict(r["plan"])
     d.setdefault("mhc_chunk", 0)
+    d.setdefault("reuse_attention", False)
     impl = r.get("impl") or ""
     residual = "liger" if "mhc:liger" in impl else "torch" if "mhc:torch" in impl else "auto"
     call = _call_number(Path(r.get("source") or "").name)
