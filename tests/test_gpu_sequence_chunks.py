@@ -14,7 +14,8 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean().clamp_min(1e-30)).sqrt().item()
 
 
-def test_chunked_step_matches_whole_sequence_h200_ref():
+@pytest.mark.parametrize("reuse_attention", [True, False], ids=["kept_attention", "attention_rerun"])
+def test_chunked_step_matches_whole_sequence_h200_ref(reuse_attention):
     """The chunked step is as exact as the whole-sequence step: measured against an fp32 whole-sequence
     gradient (torch paths), each parameter's bf16 gradient from the chunked step is no further off than
     the whole step's own bf16 gradient (x2 + 2e-2: these are single samples of rounding noise; the tiny
@@ -39,8 +40,8 @@ def test_chunked_step_matches_whole_sequence_h200_ref():
     torch.manual_seed(0)
     model = LongCtxModel(preset("h200-ref")).cuda().train()
     S, C = 12288, 4096  # 3 chunks; > top-k, so the DSA layers are sparse in the later chunks
-    r = compare_chunked_with_whole(model, S, C)
-    print(f"loss whole {r['loss_whole']:.6f} chunked {r['loss_chunked']:.6f}; {r['impl']}")
+    r = compare_chunked_with_whole(model, S, C, reuse_attention=reuse_attention)
+    print(f"reuse_attention={reuse_attention}: loss whole {r['loss_whole']:.6f} chunked {r['loss_chunked']:.6f}; {r['impl']}")
     print("worst chunked/whole vs fp32: " + ", ".join(f"{n} {a:.3g}/{b:.3g}" for n, a, b in r["worst"]))
     print(f"{r['n_small']} tensors of < {SMALL} elements, RMS of their rel errors vs fp32: chunked "
           f"{r['small_pooled'][0]:.3g}, whole {r['small_pooled'][1]:.3g}")
@@ -69,10 +70,12 @@ def assert_as_exact_as_whole(r: dict) -> None:
     assert small_ch <= 2 * small_wh + 2e-2, (r["small_pooled"], r["n_small"])
 
 
-def compare_chunked_with_whole(model, S: int, C: int, seed: int = 0) -> dict:
+def compare_chunked_with_whole(model, S: int, C: int, seed: int = 0, reuse_attention: bool = True) -> dict:
     """bf16 whole step (routing recorded), chunked step with free and with replayed routing, fp32 whole
     step (torch paths, routing replayed); the rel-RMS figures of the docstring above. Runs on the
-    model's device (tests/test_gpu_test_logic.py runs it on the CPU with the tiny model)."""
+    model's device (tests/test_gpu_test_logic.py runs it on the CPU with the tiny model). The chunked
+    step recomputes its blocks, keeping the DSA attention output unless `reuse_attention` is False
+    (memory.reuse_attention, on by default since call 39; call 40 ran only the rerun path)."""
     from longctx.layers.moe import RoutingTape, routing_tape
     from longctx.memory.sequence_chunks import SequenceChunker
 
@@ -95,7 +98,7 @@ def compare_chunked_with_whole(model, S: int, C: int, seed: int = 0) -> dict:
     def chunked(routing):
         model.zero_grad(set_to_none=True)
         with bf16():
-            got = SequenceChunker(C).forward_backward(model, x, y, routing=routing)
+            got = SequenceChunker(C, reuse_attention=reuse_attention).forward_backward(model, x, y, routing=routing)
         return got, grads()
 
     _, free = chunked(None)
