@@ -57,7 +57,11 @@ def test_logits_match_transformers(tmp_path, name, kw, seq):
         ref = hf(input_ids=ids).logits
         got = ours(ids).logits
     assert got.shape == ref.shape == (2, seq, 97)
-    assert (got - ref).abs().max().item() <= 1e-4, name
+    # fp32 with other op orders on each side: ~5e-6 rel-RMS, and with transformers 5.24.0 a max of 1.1e-4 on
+    # logits of ~4 (over the flat 1e-4 this test first had). A semantic difference is orders of magnitude larger.
+    err = (got - ref).abs().max().item()
+    rel = ((got - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
+    assert err <= 1e-4 * max(1.0, ref.abs().max().item()) and rel <= 2e-5, (name, err, rel)
 
 
 def test_export_roundtrip_through_transformers(tmp_path):
