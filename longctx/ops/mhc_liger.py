@@ -28,6 +28,10 @@ forward and backward, within bf16 rounding (tests/test_gpu_mhc.py). The mapping 
 - `chunk` (memory.mhc_chunk, on by default): the pre and post-res ops run liger's kernels over that many
   tokens at a time instead of through liger's autograd Functions, whose whole-sequence fp32 copies were
   the 256k step's peak (below, before `_spans`).
+- Every launch takes at most `launch_rows(n * D)` tokens: liger's kernels address a token's row as
+  row x row-stride in int32, so past 2^31 elements they read and write outside their tensors (call 41: an
+  illegal memory access in the first 524,288-token step of h200-ref, whose streams hold 6,144 elements a
+  token; the limit is 349,525 tokens). Longer inputs go through in pieces, the same ops on each.
 """
 
 from __future__ import annotations
@@ -43,6 +47,25 @@ __all__ = ["check_mhc_args", "liger_mhc_available", "liger_mhc_coefficients", "l
 
 MAX_STREAMS = 16
 DEFAULT_CHUNK = 16384  # memory.mhc_chunk's default: one chunk's fp32 buffer is 384 MiB at h200-ref's 4 x 1536
+INT32_ELEMENTS = 2**31 - 1  # the largest element offset liger's int32 row arithmetic reaches safely
+
+
+def launch_rows(row_elements: int) -> int:
+    """The most tokens (rows of `row_elements`) one liger mHC launch may take: its int32 offsets stay in range."""
+    return max(1, INT32_ELEMENTS // row_elements)
+
+
+def _in_pieces(op, rows: int, *tensors):
+    """op over the tensors' leading (token) dimension in pieces of at most `rows`: one call when they fit.
+    `op` returns a tensor or a tuple of tensors, each concatenated back along that dimension (split's
+    backward assembles the inputs' gradients in one buffer)."""
+    N = tensors[0].shape[0]
+    if N <= rows:
+        return op(*tensors)
+    outs = [op(*piece) for piece in zip(*(t.split(rows) for t in tensors))]
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs)
+    return tuple(torch.cat(parts) for parts in zip(*outs))
 
 
 def _import_mhc_ops():
@@ -110,24 +133,28 @@ def liger_mhc_coefficients(streams: torch.Tensor, fn: torch.Tensor, base: torch.
 
     check_mhc_args(streams, fn, base, scale, iters)
     s_pre, s_post, s_comb = scale.unbind(0)
-    return liger_mhc_coeffs(
-        streams, fn.t(), base, s_pre, s_post, s_comb,
-        allow_fp32=True, tmax=int(iters), rms_eps=float(norm_eps), pre_eps=float(hc_eps),
-        sinkhorn_eps=float(hc_eps), post_mult=2.0,
-    )
+    phi = fn.t()
+    lead, (n, D) = streams.shape[:-2], streams.shape[-2:]
+
+    def coeffs(x):
+        return liger_mhc_coeffs(x, phi, base, s_pre, s_post, s_comb, allow_fp32=True, tmax=int(iters),
+                                rms_eps=float(norm_eps), pre_eps=float(hc_eps), sinkhorn_eps=float(hc_eps), post_mult=2.0)
+
+    pre, post, comb = _in_pieces(coeffs, launch_rows(n * D), streams.reshape(-1, n, D))
+    return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
 
 
 def liger_mhc_pre(streams: torch.Tensor, pre: torch.Tensor, chunk: int = 0) -> torch.Tensor:
     """sum_j pre[j] * streams[j], accumulated in fp32, in the streams' dtype: [..., D].
     `chunk` > 0: liger's kernels over `chunk` tokens at a time (`_ChunkedPre`), else liger's own Function."""
     _require()
+    lead, (n, D) = streams.shape[:-2], streams.shape[-2:]
+    x, h = streams.reshape(-1, n, D), pre.reshape(-1, n)
     if chunk > 0:
-        lead = streams.shape[:-2]
-        x = streams.reshape(-1, *streams.shape[-2:])
-        return _ChunkedPre.apply(x, pre.reshape(-1, pre.shape[-1]).float(), chunk).view(*lead, streams.shape[-1])
+        return _ChunkedPre.apply(x, h.float(), min(chunk, launch_rows(n * D))).view(*lead, D)
     from liger_kernel.transformers.functional import liger_mhc_pre as _pre
 
-    return _pre(streams, pre)
+    return _in_pieces(_pre, launch_rows(n * D), x, h).view(*lead, D)
 
 
 def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -139,14 +166,15 @@ def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tenso
         raise ValueError(f"liger mHC: the sub-layer output {tuple(y.shape)} must be streams {tuple(streams.shape)} "
                          "without the stream dimension.")
     y = y.to(streams.dtype)
+    n, D = streams.shape[-2:]
+    x, f = streams.reshape(-1, n, D), y.reshape(-1, D)
+    h_post, h_res = post.reshape(-1, n), comb.transpose(-1, -2).reshape(-1, n, n)
     if chunk > 0:
-        n, D = streams.shape[-2:]
-        out = _ChunkedPostRes.apply(streams.reshape(-1, n, D), y.reshape(-1, D), post.reshape(-1, n).float(),
-                                    comb.transpose(-1, -2).reshape(-1, n, n).float(), chunk)
+        out = _ChunkedPostRes.apply(x, f, h_post.float(), h_res.float(), min(chunk, launch_rows(n * D)))
         return out.view(streams.shape)
     from liger_kernel.transformers.functional import liger_mhc_post_res as _post_res
 
-    return _post_res(streams, y, post, comb.transpose(-1, -2))
+    return _in_pieces(_post_res, launch_rows(n * D), x, f, h_post, h_res).view(streams.shape)
 
 
 # liger 0.8.5's autograd Functions for the two stream ops make whole-sequence fp32 tensors: the forward
