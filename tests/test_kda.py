@@ -4,6 +4,7 @@ packed documents, the layer against HF's GLM-5.3-Flash linear attention, and dec
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -252,3 +253,16 @@ def test_norm_impl_rules():
     layer.norm_impl = "triton"
     with pytest.raises(ConfigError, match="norm_impl must be one of auto, torch, fla"):
         layer(x)
+
+
+@pytest.mark.parametrize("user", [None, "0", "1"])
+def test_fla_import_keeps_autotuning_choices_unless_the_user_said_otherwise(monkeypatch, user):
+    """Before its first import of fla the backend sets TRITON_CACHE_AUTOTUNING=1 (fla's autotuning choices
+    kept on disk across processes); a value the user set stays as it is."""
+    from longctx.ops.kda import fla_backend
+
+    monkeypatch.setenv(fla_backend.AUTOTUNE_CACHE_ENV, user or "")  # so that teardown restores what was there
+    if user is None:
+        monkeypatch.delenv(fla_backend.AUTOTUNE_CACHE_ENV)
+    fla_backend._import_error.__wrapped__()  # the uncached attempt (fla may or may not be installed here)
+    assert os.environ[fla_backend.AUTOTUNE_CACHE_ENV] == (user or "1")

@@ -18,14 +18,24 @@ general path; lower_bound None is the softplus gate. initial_state / final state
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 __all__ = ["fla_available", "fla_causal_conv1d", "fla_chunk_kda", "fla_recurrent_kda"]
 
 
+# fla's kernels autotune for every new shape, and Triton keeps the choice on disk only with this set (its
+# compiled kernels it keeps anyway): without it, every process autotunes afresh. A 1M-token step's first run
+# in a process took 162 s with no cache, 68.8 s with an earlier process's compiled kernels and autotuning
+# choices, 46.9 s warm (bench/NOTES.md, calls 39 and 41). Set before fla is first imported (its autotuners
+# read it when they are made); a value the user set wins, "0" included.
+AUTOTUNE_CACHE_ENV = "TRITON_CACHE_AUTOTUNING"
+
+
 @functools.lru_cache(maxsize=1)
 def _import_error() -> str | None:
+    os.environ.setdefault(AUTOTUNE_CACHE_ENV, "1")
     try:
         import fla.ops.kda  # noqa: F401
     except Exception as e:  # noqa: BLE001 - ImportError, or a triton/torch mismatch raised while importing
