@@ -340,6 +340,11 @@ class Trainer:
             e = estimate(self.cfg.model, stage.seq_len * stage.batch_size, plan, 1, device_gpu_key(self.device),
                          self.dtype.itemsize, residual_impl=self.cfg.residual_impl, kda_norm=self.cfg.kda_norm)
             self.stage_estimate_gib = e["gpu_bytes"] / 2**30
+        from .memory.estimate import whole_sequence_warning
+
+        warning = whole_sequence_warning(self.cfg.model, stage.seq_len * stage.batch_size, plan)
+        if warning and self.device.type == "cuda":  # the CPU's kernels index in 64 bits
+            self.log(f"warning: {warning}")
         if not self.quiet:
             self.log(f"memory plan: {plan.describe()}")
             if self.stage_estimate_gib is not None:

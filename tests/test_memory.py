@@ -26,7 +26,16 @@ from longctx.layers.dsa import SparseMLA
 from longctx.layers.kpool_indexer import KPoolIndexer
 from longctx.layers.moe import MoE
 from longctx.layers.residual import MHC
-from longctx.memory.estimate import ALLOCATOR_SLACK, GPU_FIT, auto_plan, estimate
+from longctx.memory.estimate import (
+    ALLOCATOR_SLACK,
+    GPU_FIT,
+    auto_plan,
+    estimate,
+    plan_choices,
+    whole_sequence_max,
+    whole_sequence_warning,
+    widest_activation,
+)
 from longctx.memory.meter import LiveBytes, SavedTensorMeter, meter_model_step
 from longctx.memory.offload import Offloader
 from longctx.memory.plan import MemoryPlan, apply_plan
@@ -638,26 +647,43 @@ def test_estimate_monotone_and_baseline_far_below_full_plan():
     assert not big["fits"] and big["gpu_reserved_bytes"] > GPU_FIT * big["gpu_capacity"]
 
 
-def test_auto_plan_gives_up_reuse_attention_after_offload_and_before_chunking():
-    """The auto plan's order for the one switch that trades memory for speed: keep the attention output while
-    offloading blocks makes room, give it up before chunking the sequence, keep it inside a chunk where it
-    fits. Each plan it picks is the first that fits in that order, so the choice just before it does not."""
+def test_plan_choices_give_up_reuse_attention_after_offload_and_before_chunking():
+    """The auto plan's order for the one switch that trades memory for speed: every whole-sequence choice
+    keeping the attention output (no recompute, recompute, + offload of 1, 2, ... blocks), then the same
+    without it, then the chunk lengths, each with it and then without. Forced off, it stays off."""
     cfg = preset("h200-ref")
-    fits = lambda s, **kw: estimate(cfg, s, dataclasses.replace(MemoryPlan(), **kw))["fits"]  # noqa: E731
-    picked = {s: auto_plan(cfg, s, MemoryPlan())[0] for s in (131072, 327680, 557056, 1 << 20)}
-    p = picked[131072]
+    got = [(c.recompute, c.offload, c.seq_chunk, c.reuse_attention) for c in plan_choices(cfg, 131072, MemoryPlan())]
+    blocks = [("on", str(i), "off") for i in range(cfg.num_layers + 1)]
+    chunks = [("on", "0", str(c)) for c in (65536, 32768, 16384, 8192, 4096, 2048, 1024)]
+    assert got == ([("off", "0", "off", True)] + [(*b, True) for b in blocks] + [(*b, False) for b in blocks]
+                   + [(*c, r) for c in chunks for r in (True, False)])
+    off = plan_choices(cfg, 131072, MemoryPlan.from_dict({"reuse_attention": False}))
+    assert not any(c.reuse_attention for c in off) and len(off) == 1 + len(blocks) + len(chunks)
+    p = auto_plan(cfg, 131072, MemoryPlan())[0]
     assert (p.recompute, p.offload_blocks(), p.reuse_attention) == ("on", 0, True)
-    p = picked[327680]  # offload some blocks, keep the attention output
-    n = p.offload_blocks()
-    assert p.recompute == "on" and n > 0 and p.reuse_attention and not p.seq_chunk_tokens()
-    assert not fits(327680, recompute="on", offload=str(n - 1), seq_chunk="off")
-    p = picked[557056]  # no offload count fits with it kept: dropped, still whole-sequence blocks
-    assert p.recompute == "on" and not p.reuse_attention and not p.seq_chunk_tokens()
-    assert not fits(557056, recompute="on", offload=str(cfg.num_layers), seq_chunk="off")
-    p = picked[1 << 20]  # chunked, with it kept per chunk
-    assert p.seq_chunk_tokens() > 0 and p.reuse_attention
-    # forced off, the plan never turns it on
-    assert not auto_plan(cfg, 131072, MemoryPlan.from_dict({"reuse_attention": False}))[0].reuse_attention
+
+
+def test_auto_plan_keeps_whole_sequence_tensors_within_int32_elements():
+    """Past 2^31 elements in its widest activation the whole-sequence step is not a choice (calls 41-42: the
+    524,288-token step of h200-ref stopped with an illegal memory access); the chunked step is, with chunks
+    within the same bound. h200-ref's widest: a dense MLP's [gate | up] and a DSA layer's absorbed queries,
+    8,192 elements a token, so 262,144 tokens (measured to run) is the last whole-sequence length."""
+    cfg = preset("h200-ref")
+    assert widest_activation(cfg) == 8192 and whole_sequence_max(cfg) == 262144
+    assert all(not c.seq_chunk_tokens() or c.seq_chunk_tokens() <= 131072 for c in plan_choices(cfg, 262144, MemoryPlan()))
+    assert any(not c.seq_chunk_tokens() for c in plan_choices(cfg, 262144, MemoryPlan()))
+    for S in (262145, 327680, 524288):
+        choices = plan_choices(cfg, S, MemoryPlan())
+        assert choices and all(0 < c.seq_chunk_tokens() <= 131072 for c in choices), S
+        assert auto_plan(cfg, S, MemoryPlan())[1]["fits"]
+    # split over 2 GPUs the local length is what counts; a forced whole-sequence plan is the user's
+    assert any(not c.seq_chunk_tokens() for c in plan_choices(cfg, 524288, MemoryPlan(), cp=2))
+    forced = plan_choices(cfg, 524288, MemoryPlan.from_dict({"seq_chunk": "off"}))
+    assert forced and all(c.seq_chunk == "off" for c in forced)
+    # ... and the trainer tells them (on CUDA)
+    assert "memory.seq_chunk=auto" in whole_sequence_warning(cfg, 524288, forced[0])
+    assert whole_sequence_warning(cfg, 262144, forced[0]) is None
+    assert whole_sequence_warning(cfg, 524288, auto_plan(cfg, 524288, MemoryPlan())[0]) is None
 
 
 def test_estimate_cli():

@@ -414,17 +414,62 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
 AUTO_CHUNK_MAX = 131072
 
 
-def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200",
-              act_bytes: int = 2, residual_impl: str = "auto", kda_norm: str = "auto") -> tuple[MemoryPlan, dict]:
-    """Resolve recompute/offload/seq_chunk "auto": the cheapest that fits — no recompute, else
-    recompute, else recompute + offload of as few blocks as needed, else the sequence in chunks
-    (the largest power-of-two chunk up to AUTO_CHUNK_MAX that fits, recompute on inside a chunk).
+# Kernels that address a tensor's elements with int32 offsets read and write out of bounds past 2^31
+# elements: liger's mHC kernels do (longctx/ops/mhc_liger.py now splits their launches), and after that
+# fix the 524,288-token whole-sequence step of h200-ref, whose widest tensors hold 4.3 G elements, still
+# stopped with an illegal memory access in its first forward on the H200 (calls 41-42; the culprit is not
+# located), while 262,144 tokens (2^31 elements exactly) ran. So the automatic plan takes a whole-sequence
+# step only while every activation tensor stays within 2^31 elements; past that the sequence-chunked step,
+# whose kernels see one chunk, runs (it ran 1,048,576 tokens in chunks of 131,072).
+INT32_ELEMENTS = 2**31
+
+
+def widest_activation(cfg: ModelConfig) -> int:
+    """Elements per token of the step's widest whole-sequence activation: the residual state (streams x
+    hidden), KDA's conv input (3 x heads x head dim), a dense MLP's [gate | up] (2 x intermediate), a DSA
+    layer's absorbed queries and output (heads x kv_lora)."""
+    widths = [_stream_width(cfg) * cfg.hidden_size]
+    kinds, mlps = cfg.layer_kinds(), cfg.mlp_kinds()
+    if "K" in kinds:
+        widths.append(3 * cfg.kda_heads * cfg.kda_head_dim)
+    if "d" in mlps:
+        widths.append(2 * cfg.intermediate_size)
+    if "D" in kinds:
+        widths.append(cfg.attn_heads * cfg.kv_lora_rank)
+    return max(widths)
+
+
+def whole_sequence_max(cfg: ModelConfig) -> int:
+    """The most tokens per GPU a whole-sequence step takes under the automatic plan (INT32_ELEMENTS above):
+    262,144 for h200-ref."""
+    return INT32_ELEMENTS // widest_activation(cfg)
+
+
+def whole_sequence_warning(cfg: ModelConfig, tokens: int, plan: MemoryPlan) -> str | None:
+    """What to tell a user whose plan runs a whole-sequence step past `whole_sequence_max` (a forced
+    seq_chunk=off), or None."""
+    limit = whole_sequence_max(cfg)
+    if plan.seq_chunk_tokens() or tokens <= limit:
+        return None
+    return (f"a whole-sequence step of {tokens:,} tokens holds activations of {tokens * widest_activation(cfg) / 1e9:.1f} G "
+            f"elements, past the 2^31 that int32-indexed kernels address (h200-ref at 524,288 tokens stopped with an "
+            f"illegal memory access on the H200); memory.seq_chunk=auto chunks every sequence above {limit:,} tokens.")
+
+
+def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1) -> list[MemoryPlan]:
+    """The candidates `auto_plan` tries, cheapest first: no recompute, recompute, recompute + offload of 1, 2, ...
+    blocks, then the sequence in chunks (the largest power-of-two chunk up to AUTO_CHUNK_MAX first, recompute
+    on inside a chunk). With seq_chunk "auto", sequences past `whole_sequence_max` go to chunks directly.
     `reuse_attention` (when on) is a speed-for-memory trade (0.21 s for 4 GiB at 128k, H200): it is kept
     while offloading blocks can make room (offload measured free of step time at 256k), given up before
     the sequence is chunked, and within a chunk length given up before the chunk is halved."""
     choices = []
+    S_local = -(-S // cp)
+    limit = whole_sequence_max(cfg)
     rc = ["off", "on"] if plan.recompute == "auto" else [plan.recompute]
     whole = "off" if plan.seq_chunk == "auto" else plan.seq_chunk
+    if plan.seq_chunk == "auto" and S_local > limit:
+        rc = []  # no whole-sequence choice
     for r in rc:
         offs = (["0"] + [str(i) for i in range(1, cfg.num_layers + 1)]) if plan.offload == "auto" else [plan.offload]
         for o in offs:
@@ -434,8 +479,8 @@ def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str 
                 continue
             choices.append(dataclasses.replace(plan, recompute=r, offload=o, seq_chunk=whole))
     if plan.seq_chunk == "auto":
-        S_local = -(-S // cp)
         c = min(AUTO_CHUNK_MAX, 1 << max(0, (S_local - 1).bit_length() - 1))  # largest power of two below S_local
+        c = min(c, 1 << max(0, limit.bit_length() - 1))
         while c >= 1024:
             choices.append(dataclasses.replace(plan, recompute="on" if plan.recompute == "auto" else plan.recompute,
                                                offload="0", seq_chunk=str(c)))
@@ -447,12 +492,22 @@ def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str 
         chunked = [c for c in choices if c.seq_chunk_tokens()]
         choices = (blockwise + [drop(c) for c in blockwise if kept(c)]
                    + [v for c in chunked for v in (c, drop(c))])
+    return choices
+
+
+def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200",
+              act_bytes: int = 2, residual_impl: str = "auto", kda_norm: str = "auto") -> tuple[MemoryPlan, dict]:
+    """Resolve recompute/offload/seq_chunk "auto": the first of `plan_choices` whose estimate fits (else the
+    last, with its estimate saying it does not)."""
     last = None
-    for c in choices:
+    for c in plan_choices(cfg, S, plan, cp):
         e = estimate(cfg, S, c, cp, gpu, act_bytes, residual_impl=residual_impl, kda_norm=kda_norm)
         last = (c, e)
         if e["fits"]:
             return c, e
+    if last is None:
+        raise ConfigError(f"no memory plan to try for {S:,} tokens: the widest activation ({widest_activation(cfg):,} "
+                          f"elements a token) leaves no chunk of >= 1024 tokens within 2^31 elements; set memory.seq_chunk.")
     return last
 
 
@@ -528,6 +583,9 @@ def main(a) -> int:
         print(json.dumps(e, indent=2))
     else:
         print(format_report(e, phases=getattr(a, "phases", False)))
+        warning = whole_sequence_warning(cfg, -(-a.seq_len // a.cp), plan)
+        if warning:
+            print(f"warning: {warning}")
     return 0 if e["fits"] else 1
 
 
