@@ -475,7 +475,9 @@ class Bench:
                 "estimate_fits": e["fits"]}
 
     def all_on(self, S: int) -> MemoryPlan:
-        return est.auto_plan(self.cfg, S, MemoryPlan(), 1, self.dev.gpu_key, self.act_bytes)[0]
+        """The automatic plan at S, from the defaults with --plan's settings fixed (as a training config's
+        `memory` table fixes them)."""
+        return est.auto_plan(self.cfg, S, self.args.fixed_plan, 1, self.dev.gpu_key, self.act_bytes)[0]
 
     def reps(self, S: int) -> int:
         if S >= 512 * K:
@@ -1086,12 +1088,20 @@ def main(argv=None) -> int:
                     help="with --profile: record Python stacks and add tables of the copies and casts' and the "
                          "elementwise ops' GPU time by longctx line")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first step (the first run then includes compilation)")
+    ap.add_argument("--plan", nargs="+", default=[], metavar="SWITCH=VALUE",
+                    help="memory settings fixed before the automatic plan resolves the rest, as a training config's "
+                         "`memory` table, e.g. --plan seq_chunk=off offload=10 (the plan of calls 41-42's 512k step)")
     ap.add_argument("--report", nargs="+", metavar="FILE", help="merge these memory.json files into OUT "
                     "(memory.json, memory.png, memory_table.md); CPU only, nothing is run")
     a = ap.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     if a.report:
         return report(a.report, Path(a.out))
+    try:
+        a.fixed_plan = MemoryPlan.from_dict(est.parse_switches(a.plan, "--plan"))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not a.cpu_smoke and not torch.cuda.is_available():
         print("error: bench/memory.py needs a CUDA GPU (or --cpu-smoke).", file=sys.stderr)
         return 2

@@ -127,10 +127,11 @@ host)
   tail -3 "$OUT/memory_host.log"
   ;;
 switches)
-  # the 128k and 256k switches (SWITCH_SEQLENS, SWITCH_CONFIGS to choose)
+  # the 128k and 256k switches (SWITCH_SEQLENS, SWITCH_CONFIGS to choose; SWITCH_ARGS for more memory.py options,
+  # last on the line, e.g. "--plan seq_chunk=off offload=10" for the plan of calls 41-42's 512k step)
   timeout $(left) python bench/memory.py --out "$OUT" --resume --parts runs --seqlens ${SWITCH_SEQLENS:-131072,262144} \
       --configs ${SWITCH_CONFIGS:-all_on,mhc_chunk_off,chunked_indexer_off,reuse_selection_off,router_release_off,mhc_cast_recompute_off,moe_bf16_combine_off,loss_chunk_off} \
-      > "$OUT/memory_extras.log" 2>&1; tail -16 "$OUT/memory_extras.log"
+      ${SWITCH_ARGS:-} > "$OUT/memory_extras.log" 2>&1; tail -16 "$OUT/memory_extras.log"
   ;;
 *) echo "usage: bench/run_h200.sh PART... with PART in tests e2e sparse kda indexer variants kernels memory step1m offload liger peak host switches extras"; exit 2 ;;
 esac

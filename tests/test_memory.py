@@ -779,6 +779,14 @@ def test_bench_memory_cpu_smoke(tmp_path):
     ph = pk["phases_gib"]
     assert abs(max(ph.values()) - pk["peak_allocated_gib"]) < 1e-6 and "the backward of layer 0 (K)" in ph
     assert "the backward of layer 0 (K)" in (tmp_path / "peak_1024_offload_all.txt").read_text().split("phase")[-1]
+    # --plan fixes settings before the automatic plan resolves the rest (the 512k crash's plan, calls 41-42)
+    fixed = tmp_path / "fixed"
+    assert bench.main(["--cpu-smoke", "--out", str(fixed), "--quiet", "--parts", "runs", "--seqlens", "256",
+                       "--no-warmup", "--plan", "recompute=on", "offload=1", "reuse_attention=false"]) == 0
+    plan = json.loads((fixed / "memory.json").read_text())["runs"][0]["plan"]
+    assert (plan["recompute"], plan["offload"], plan["reuse_attention"]) == ("on", "1", False)
+    assert bench.main(["--cpu-smoke", "--out", str(fixed), "--plan", "recompte=on"]) == 2
+    assert bench.main(["--cpu-smoke", "--out", str(fixed), "--plan", "offload"]) == 2
 
 
 def test_release_pinned_names_its_successor():

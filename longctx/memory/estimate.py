@@ -563,20 +563,26 @@ def format_report(e: dict, phases: bool = False) -> str:
     return "\n".join(lines)
 
 
+def parse_switches(items, flag: str = "--set") -> dict:
+    """["offload=0", "reuse_attention=false", "mhc_chunk=8192"] -> the memory settings they name (values as
+    MemoryPlan.from_dict takes them; it checks names and values)."""
+    forced = {}
+    for s in items:
+        if "=" not in s:
+            raise ConfigError(f"{flag} {s!r} must look like SWITCH=VALUE, e.g. offload=0.")
+        k, v = s.split("=", 1)
+        is_int = v.lstrip("-").isdigit() and k not in ("offload",)
+        forced[k] = {"true": True, "false": False}.get(v.lower(), int(v) if is_int else v)
+    return forced
+
+
 def main(a) -> int:
     cfg = preset(a.preset) if a.preset != "h200-curriculum" else preset("h200-ref")
     if a.seq_len < 1:
         raise ConfigError(f"--seq-len must be >= 1 (got {a.seq_len}).")
     if a.cp < 1:
         raise ConfigError(f"--cp must be >= 1 (got {a.cp}).")
-    forced = {}
-    for s in a.set or []:
-        if "=" not in s:
-            raise ConfigError(f"--set {s!r} must look like SWITCH=VALUE, e.g. offload=0.")
-        k, v = s.split("=", 1)
-        is_int = v.lstrip("-").isdigit() and k not in ("offload",)
-        forced[k] = {"true": True, "false": False}.get(v.lower(), int(v) if is_int else v)
-    plan = MemoryPlan.from_dict(forced)
+    plan = MemoryPlan.from_dict(parse_switches(a.set or []))
     plan, e = auto_plan(cfg, a.seq_len, plan, a.cp, a.gpu, residual_impl=a.residual_impl,
                         kda_norm=getattr(a, "kda_norm", "auto"))
     if a.json:
