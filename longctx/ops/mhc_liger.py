@@ -29,9 +29,10 @@ forward and backward, within bf16 rounding (tests/test_gpu_mhc.py). The mapping 
   tokens at a time instead of through liger's autograd Functions, whose whole-sequence fp32 copies were
   the 256k step's peak (below, before `_spans`).
 - Every launch takes at most `launch_rows(n * D)` tokens: liger's kernels address a token's row as
-  row x row-stride in int32, so past 2^31 elements they read and write outside their tensors (call 41: an
-  illegal memory access in the first 524,288-token step of h200-ref, whose streams hold 6,144 elements a
-  token; the limit is 349,525 tokens). Longer inputs go through in pieces, the same ops on each.
+  row x row-stride in int32, so past 2^31 elements they read and write outside their tensors (h200-ref's
+  streams hold 6,144 elements a token: 349,525 tokens). Found by reading the kernels after call 41's
+  illegal memory access at 524,288 tokens, which has a second cause not located yet (bench/NOTES.md, calls
+  41-42). Longer inputs go through in pieces, the same ops on each.
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ __all__ = ["check_mhc_args", "liger_mhc_available", "liger_mhc_coefficients", "l
 
 MAX_STREAMS = 16
 DEFAULT_CHUNK = 16384  # memory.mhc_chunk's default: one chunk's fp32 buffer is 384 MiB at h200-ref's 4 x 1536
-INT32_ELEMENTS = 2**31 - 1  # the largest element offset liger's int32 row arithmetic reaches safely
+INT32_MAX_OFFSET = 2**31 - 1  # the largest element offset liger's int32 row arithmetic reaches
 
 
 def launch_rows(row_elements: int) -> int:
     """The most tokens (rows of `row_elements`) one liger mHC launch may take: its int32 offsets stay in range."""
-    return max(1, INT32_ELEMENTS // row_elements)
+    return max(1, INT32_MAX_OFFSET // row_elements)
 
 
 def _in_pieces(op, rows: int, *tensors):
