@@ -3,7 +3,7 @@
 rows alone (a small call, far from any limit). Why: the 512k whole-sequence step stopped with an illegal
 memory access on the H200 (bench/NOTES.md, calls 41-42) after liger's int32 row offsets were fixed, and
 reading the kernels found nothing else; this names the one that fails. A failing kernel can leave the
-CUDA context unusable, so the tests run in pipeline order (torch's matmul, then ours, then liger's and
+CUDA context unusable, so the tests run in pipeline order (torch's matmuls, then ours, then liger's and
 fla's) and the first failure is the one to read. Each needs ~10-20 GB of GPU memory. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -42,6 +42,18 @@ def test_matmul_output_past_int32():
     y = torch.nn.functional.linear(x, w)
     torch.cuda.synchronize()
     assert _rel(_ends(y), torch.nn.functional.linear(_ends(x), w)) <= 1e-2
+
+
+def test_dsa_absorption_einsum_past_int32():
+    """The DSA layer's query absorption (layers/dsa.py): [1, S, 16, 128] x [16, 128, 512] -> [1, S, 16, 512]
+    past 2^31 elements, as torch runs it (a batched matmul over heads)."""
+    H, N, L = 16, 128, 512
+    S = _rows_past(H * L)
+    q, w = _randn(1, S, H, N, seed=17), _randn(H, N, L, seed=18) * 0.05
+    out = torch.einsum("bthn,hnl->bthl", q, w)
+    torch.cuda.synchronize()
+    ref = torch.einsum("bthn,hnl->bthl", q[:, -TAIL:].contiguous(), w)
+    assert _rel(out[:, -TAIL:], ref) <= 1e-2
 
 
 def test_fused_swiglu_past_int32():
