@@ -1,4 +1,5 @@
-"""Compile the indexer's, the sparse-attention backward's, the fused RMSNorm's and SwiGLU's Triton kernels for the H200
+"""Compile the indexer's, the sparse-attention backward's, the fused RMSNorm's and SwiGLU's and the mHC projection's
+(ours and liger's) Triton kernels for the H200
 (sm_90) without a GPU and print what ptxas says, with the MMA and atomic instructions the PTX uses.
 
     python bench/compile_sm90.py
@@ -27,6 +28,7 @@ from triton.compiler import ASTSource
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from longctx.ops import mhc_project_triton as mhc_project  # noqa: E402
 from longctx.ops.indexer.triton_kernel import _kpool_topk_kernel  # noqa: E402
 from longctx.ops.indexer.two_phase import _emit_from_scores_kernel, _kpool_score_kernel, _kth_score_kernel  # noqa: E402
 from longctx.ops.rms_norm_triton import _rms_norm_bwd, _rms_norm_fwd  # noqa: E402
@@ -95,6 +97,35 @@ def main() -> int:
         compile_one("SwiGLU fwd (bf16)", _swiglu_fwd, swiglu_ptrs, dict(BLOCK=SWIGLU_BLOCK), num_warps=4),
         compile_one("SwiGLU bwd (bf16)", _swiglu_bwd, swiglu_ptrs, dict(BLOCK=SWIGLU_BLOCK), num_warps=4),
     ]
+    # mHC's coefficient projection at h200-ref's width (K = 4 x 1536, M = 24): ours at its launch configs,
+    # and liger's (what residual_impl=liger runs now) at its defaults, where liger-kernel is importable
+    proj_ptrs = {"X": "*bf16", "PHI": "*fp32", "MIX": "*fp32", "INVR": "*fp32", "GZ": "*fp32", "FAC": "*fp32",
+                 "GX": "*bf16", "GPHI": "*fp32", "eps": "fp32"}
+    f, b = mhc_project.FWD, mhc_project.BWD
+    rows += [
+        compile_one("mHC projection fwd (ours)", mhc_project._project_fwd, proj_ptrs,
+                    dict(K=6144, BLOCK_N=f["BLOCK_N"], BLOCK_K=f["BLOCK_K"], BLOCK_M=32, PREC="tf32"), f["num_warps"],
+                    f["num_stages"]),
+        compile_one("mHC projection bwd (ours)", mhc_project._project_bwd, proj_ptrs,
+                    dict(K=6144, BLOCK_N=b["BLOCK_N"], BLOCK_K=b["BLOCK_K"], BLOCK_M=32, ROW_BLOCKS=b["ROW_BLOCKS"],
+                         PREC="tf32"), b["num_warps"], b["num_stages"]),
+    ]
+    try:
+        from liger_kernel.ops.mhc import _mhc_mm_norm_bwd_fused_kernel, _mhc_mm_norm_fwd_kernel
+    except ImportError:
+        print("(liger-kernel not importable: its mHC projection kernels are not compiled)")
+    else:
+        N, K, M = 131072, 6144, 24
+        lg = dict(N=N, K=K, M=M, stride_xn=K, stride_xk=1, stride_phik=M, stride_phim=1, stride_mn=M, stride_mm=1,
+                  BLOCK_N=32, BLOCK_K=256, BLOCK_M=32, CAST_FP32=True)
+        lg_ptrs = {"x_ptr": "*bf16", "phi_ptr": "*fp32", "mix_ptr": "*fp32", "invr_ptr": "*fp32",
+                   "grad_mix_ptr": "*fp32", "grad_x_ptr": "*bf16", "grad_phi_ptr": "*fp32"}
+        rows += [
+            compile_one("mHC projection fwd (liger 0.8.5)", _mhc_mm_norm_fwd_kernel, lg_ptrs, dict(lg, eps=1e-5), 4),
+            compile_one("mHC projection bwd (liger 0.8.5)", _mhc_mm_norm_bwd_fused_kernel, lg_ptrs,
+                        dict(lg, stride_invr=1, stride_gmn=M, stride_gmm=1, stride_gxn=K, stride_gxk=1, stride_gpk=M,
+                             stride_gpm=1), 4),
+        ]
     print(f"triton {triton.__version__}, target sm_90a")
     for r in rows:
         print(f"{r['kernel']:<44} {r['registers']:>4} registers  {r['spill_store_bytes']} B spilled  "

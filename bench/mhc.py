@@ -2,6 +2,7 @@
 
     python bench/mhc.py --out DIR [--quick] [--tokens 65536,262144]
     python bench/mhc.py --cpu-smoke --out DIR     # the torch side at tiny sizes on the CPU
+    python bench/mhc.py --project --out DIR       # the coefficient projection alone: liger's kernels vs ours
 
 h200-ref width: streams [1, S, 4, 1536] bf16, fp32 fn/base/scale, 20 Sinkhorn rounds. One step =
 x, ctx = enter(streams); y = x * gain + noise (a stand-in sub-layer); out = exit(streams, ctx, y);
@@ -124,6 +125,50 @@ def run_gpu(args) -> dict:
     return res
 
 
+def run_project(args) -> dict:
+    """mHC's coefficient projection alone (mix = RMSNorm(x) @ fn^T over the flattened streams, forward and
+    backward) at h200-ref's width: liger's kernels (`mhc_mm_norm_fwd` / `_bwd`, what residual_impl=liger
+    runs) against ours (longctx/ops/mhc_project_triton.py), median ms and the bytes each must move at
+    least (forward: read x; backward: read x, write grad x), and ours' distance from liger's results."""
+    from longctx.ops import mhc_project_triton as ours
+
+    cfg = preset("h200-ref")
+    K, M = cfg.hc_streams * cfg.hidden_size, (2 + cfg.hc_streams) * cfg.hc_streams
+    res = {**provenance(), "liger_kernel": mhc_liger.liger_version(), "K": K, "M": M,
+           "ours_configs": {"fwd": ours.FWD, "bwd": ours.BWD}, "cases": []}
+    for S in [int(s) for s in args.tokens.split(",")]:
+        row = _project_case(S, K, M, cfg.rms_norm_eps)
+        print(row, flush=True)
+        res["cases"].append(row)
+        torch.cuda.empty_cache()
+    return res
+
+
+def _project_case(S: int, K: int, M: int, eps: float) -> dict:
+    from liger_kernel.ops.mhc import mhc_mm_norm_bwd, mhc_mm_norm_fwd
+
+    from longctx.ops import mhc_project_triton as ours
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(S, K, device="cuda", generator=g).bfloat16()
+    phi = (torch.randn(K, M, device="cuda", generator=g) * 0.02).contiguous()
+    dmix = torch.randn(S, M, device="cuda", generator=g)
+    lmix, linvr = mhc_mm_norm_fwd(x, phi, eps)
+    omix, oinvr = ours.project_fwd(x, phi, eps)
+    lgx, lgphi = mhc_mm_norm_bwd(x, phi, lmix, linvr, dmix)
+    ogx, ogphi = ours.project_bwd(x, phi, omix, oinvr, dmix)
+    row = {"tokens": S, "min_gbytes": {"fwd": x.numel() * 2 / 1e9, "bwd": 2 * x.numel() * 2 / 1e9},
+           "ours_vs_liger_rel_rms": {"mix": rel_rms(omix, lmix), "invr": rel_rms(oinvr, linvr),
+                                     "grad_x": rel_rms(ogx, lgx), "grad_fn": rel_rms(ogphi, lgphi)}}
+    impls = {"liger": (lambda: mhc_mm_norm_fwd(x, phi, eps), lambda: mhc_mm_norm_bwd(x, phi, lmix, linvr, dmix)),
+             "ours": (lambda: ours.project_fwd(x, phi, eps), lambda: ours.project_bwd(x, phi, omix, oinvr, dmix))}
+    for name, (fwd, bwd) in impls.items():
+        f_ms, b_ms = timed(fwd, 3, 20), timed(bwd, 3, 20)
+        row[name] = {"fwd_ms": f_ms, "bwd_ms": b_ms, "fwd_tb_per_s": row["min_gbytes"]["fwd"] / f_ms,
+                     "bwd_tb_per_s": row["min_gbytes"]["bwd"] / b_ms}
+    return row
+
+
 def run_cpu_smoke(args) -> dict:
     cfg = preset("tiny")
     res = {"cpu_smoke": True, "torch": torch.__version__, "command": " ".join([sys.executable] + sys.argv),
@@ -147,7 +192,14 @@ def main():
     ap.add_argument("--tokens", default="65536,262144")
     ap.add_argument("--impls", default="torch,torch_keep_cast,liger")
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--project", action="store_true", help="the coefficient projection alone: liger's kernels vs ours "
+                    "(--tokens, default here 65536,131072)")
     args = ap.parse_args()
+    if args.project:
+        if args.tokens == ap.get_default("tokens"):
+            args.tokens = "65536,131072"
+        write_results(args.out, "mhc_project.json", run_project(args))
+        return
     res = run_cpu_smoke(args) if args.cpu_smoke else run_gpu(args)
     write_results(args.out, "mhc_cpu_smoke.json" if args.cpu_smoke else "mhc.json", res)
 

@@ -40,7 +40,7 @@ tests)
   # the GPU test files (all but the 128k end-to-end check, or those named in GPU_TESTS, in that order),
   # (GPU_TESTS_K: a pytest -k expression), each under its own timeout (TEST_S, 200 s; 420 for the chunked step) so that one slow file does not hide the others, logged whole (a tail
   # through the tool's 12k-character window loses the failures), with each test's duration
-  for f in ${GPU_TESTS:-fused_loss indexer kda mhc norms swiglu sequence_chunks sparse_attention test_logic int32}; do
+  for f in ${GPU_TESTS:-fused_loss indexer kda mhc mhc_project norms swiglu sequence_chunks sparse_attention test_logic int32}; do
     echo "=== tests/test_gpu_$f.py" >> "$OUT/gpu_tests.log"
     # the chunked-step test compiles fla's fp32 kernels for its shapes: > 225 s on a machine started for it (calls 33, 37)
     t=${TEST_S:-200}; [ "$f" = sequence_chunks ] && [ -z "${TEST_S:-}" ] && t=420

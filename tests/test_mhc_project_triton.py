@@ -1,0 +1,72 @@
+"""mHC's coefficient projection in Triton (longctx/ops/mhc_project_triton.py) against its plain-torch twin
+(`layers.residual`'s RMSNorm-then-linear in fp32) under the Triton interpreter on the CPU: mix, grad x and
+grad fn, fp32 and bf16 streams, row counts and widths that are not multiples of the blocks, more than one
+row group in the backward, M below 16. Run as a script under TRITON_INTERPRET=1 it prints a RESULT line
+per case (tests/triton_interpreter.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+EPS = 1e-5
+CASES = [  # name, rows N, n streams, D hidden, dtype
+    ("fp32_n4", 37, 4, 24, "float32"),
+    ("bf16_n4", 130, 4, 96, "bfloat16"),
+    ("fp32_n2_two_groups", 600, 2, 100, "float32"),  # M = 8 (< 16), K = 200 (not a multiple of 64)
+]
+
+
+def compare(name, N, n, D, dtype):
+    from longctx.layers.residual import _rms
+    from longctx.ops.mhc_project_triton import mhc_project_triton
+
+    g = torch.Generator().manual_seed(0)
+    M, K = (2 + n) * n, n * D
+    x0 = (torch.randn(N, K, generator=g) * 2).to(getattr(torch, dtype))
+    fn0 = torch.randn(M, K, generator=g) * 0.05
+    dmix = torch.randn(N, M, generator=g)
+    out = {}
+    for tag, op in (("ref", lambda x, fn: torch.nn.functional.linear(_rms(x.float(), EPS), fn)),
+                    ("tri", lambda x, fn: mhc_project_triton(x, fn, EPS))):
+        x, fn = x0.clone().requires_grad_(True), fn0.clone().requires_grad_(True)
+        mix = op(x, fn)
+        mix.backward(dmix)
+        out[tag] = (mix.detach(), x.grad, fn.grad)
+    res = {}
+    for what, a, b in zip(("mix", "dx", "dfn"), out["tri"], out["ref"]):
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, what, a.dtype, b.dtype)
+        res[what] = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    return res
+
+
+def test_projection_matches_the_torch_twin_under_the_interpreter():
+    from triton_interpreter import run_interpreted
+
+    got = run_interpreted("tests/test_mhc_project_triton.py", timeout=300)
+    assert len(got) == len(CASES)
+    for name, _, _, _, dt in CASES:
+        r = got[name]
+        # fp32: the same products in another order; bf16: the twin's grad x is rounded by autograd's cast
+        # of an fp32 gradient, the kernel rounds its own fp32 value (one bf16 step at most)
+        tol = 1e-5 if dt == "float32" else 5e-3
+        assert all(r[w] <= tol for w in ("mix", "dx", "dfn")), (name, r)
+
+
+def test_refuses_cpu_tensors_outside_the_interpreter():
+    from longctx.ops.mhc_project_triton import mhc_project_triton
+
+    with pytest.raises(RuntimeError, match="CUDA"):
+        mhc_project_triton(torch.zeros(2, 8), torch.zeros(24, 8), EPS)
+
+
+if __name__ == "__main__":  # tests/triton_interpreter.py collects the RESULT lines
+    import json
+
+    for case in CASES:
+        print("RESULT " + json.dumps({"name": case[0], **compare(*case)}))
+    sys.exit(0)
