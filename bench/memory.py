@@ -328,6 +328,9 @@ class Bench:
                       "norm": getattr(args, "norm_impl", None) or "auto",
                       "swiglu": getattr(args, "swiglu_impl", None) or "auto"}
         self.model.set_impls(**self.impls)
+        from longctx.ops import mhc_liger
+
+        mhc_liger.PROJECTION = getattr(args, "mhc_projection", None) or mhc_liger.PROJECTION
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.0,
                                      fused=self.dev.dev.type == "cuda")
         self.out = Path(args.out)
@@ -359,7 +362,8 @@ class Bench:
                 "autocast": str(self.dtype).replace("torch.", ""), "peak_tflops": PEAK_FLOPS / 1e12,
                 "residual_impl": self.impls["residual"], "indexer_kernel": self.impls["indexer_kernel"],
                 "kda_conv": self.impls["kda_conv"], "kda_norm": self.impls["kda_norm"], "norm_impl": self.impls["norm"],
-                "swiglu_impl": self.impls["swiglu"], "cuda_alloc": self.cuda_alloc, "model": self.cfg.to_dict()}
+                "swiglu_impl": self.impls["swiglu"], "mhc_projection": _mhc_projection(), "cuda_alloc": self.cuda_alloc,
+                "model": self.cfg.to_dict()}
 
     def save(self):
         tmp = self.path.with_suffix(".json.tmp")
@@ -837,6 +841,12 @@ def _renamed_for_today(r: dict) -> dict:
     return r if name == r["config"] else {**r, "config": name, "recorded_as": r["config"]}
 
 
+def _mhc_projection() -> str:
+    from longctx.ops import mhc_liger
+
+    return mhc_liger.PROJECTION
+
+
 def _estimator_version() -> str:
     """Which estimator the report used: the last commit of longctx/memory/, and whether it has changes."""
     import subprocess
@@ -1071,6 +1081,9 @@ def main(argv=None) -> int:
                     help="every RMSNorm for every run (default auto: the fused kernels, ops/rms_norm_triton.py, on CUDA; torch: _RMSNormFn)")
     ap.add_argument("--swiglu-impl", choices=["auto", "torch", "triton"],
                     help="every clamped SwiGLU for every run (default auto: the fused kernels, ops/swiglu_triton.py, on CUDA; torch: layers/mlp.py)")
+    ap.add_argument("--mhc-projection", choices=["liger", "triton"],
+                    help="liger mHC's coefficient projection for every run (default liger's Function; triton: ours, "
+                         "ops/mhc_project_triton.py, with liger's Sinkhorn: mhc_liger.PROJECTION)")
     ap.add_argument("--indexer-kernel", choices=["fused", "two_phase", "two_phase_radix"],
                     help="the indexers' Triton path for every run (default two_phase; fused: the one-kernel radix select)")
     ap.add_argument("--residual-impl", choices=["auto", "torch", "liger"],

@@ -42,6 +42,7 @@ import functools
 import torch
 
 from ..errors import ConfigError
+from . import triton_interpreting as interpreting
 from .fused_loss import LIGER_MIN_VERSION, liger_import_error
 
 __all__ = ["check_mhc_args", "liger_mhc_available", "liger_mhc_coefficients", "liger_mhc_post_res", "liger_mhc_pre"]
@@ -115,7 +116,7 @@ def check_mhc_args(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, 
         raise ValueError(f"liger mHC: base {tuple(base.shape)} must be [{M}] and scale {tuple(scale.shape)} [3].")
     if streams.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"liger mHC: streams must be bf16, fp16 or fp32, got {streams.dtype}.")
-    if not (streams.is_cuda and fn.device == streams.device == base.device == scale.device):
+    if not ((streams.is_cuda or interpreting()) and fn.device == streams.device == base.device == scale.device):
         raise ValueError(f"liger mHC runs on one CUDA device; got streams on {streams.device}, fn on {fn.device}, "
                          f"base on {base.device}, scale on {scale.device}.")
 
@@ -138,6 +139,8 @@ def liger_mhc_coefficients(streams: torch.Tensor, fn: torch.Tensor, base: torch.
     lead, (n, D) = streams.shape[:-2], streams.shape[-2:]
 
     def coeffs(x):
+        if PROJECTION == "triton":
+            return _Coefficients.apply(x, fn, base, scale, int(iters), float(hc_eps), float(norm_eps))
         return liger_mhc_coeffs(x, phi, base, s_pre, s_post, s_comb, allow_fp32=True, tmax=int(iters),
                                 rms_eps=float(norm_eps), pre_eps=float(hc_eps), sinkhorn_eps=float(hc_eps), post_mult=2.0)
 
@@ -195,6 +198,62 @@ def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tenso
 # accumulated coefficient gradients may differ in summation order, as between two runs of liger's own.
 # What stays: the bf16 outputs and gradients and the fp32 coefficient gradients ([N, n] and [N, n, n]).
 # `chunk` now only bounds a launch (the kernels' fp32 temporaries live in registers).
+
+
+# Which projection the coefficients run: "liger" (liger's coefficient Function, what every measurement so
+# far ran) or "triton" (`_Coefficients`: ours, ops/mhc_project_triton.py, with liger's Sinkhorn kernels).
+# Opt-in until the H200 times it (bench/NOTES.md, "mHC's coefficient projection in Triton").
+PROJECTION = "liger"
+
+
+class _Coefficients(torch.autograd.Function):
+    """liger's coefficient Function with the projection mix = RMSNorm(x) @ fn^T done by ours: x [N, n, D]
+    -> (pre [N, n], post [N, n], comb [N, n, n]) fp32, liger's layout (comb[o, i]). The Sinkhorn runs in
+    liger's kernels, forward (keeping its history when a gradient is wanted) and backward; the sigmoid
+    gates' derivatives and the sums for base and scale are torch on [N, M]."""
+
+    @staticmethod
+    def forward(ctx, x, fn, base, scale, iters, hc_eps, norm_eps):
+        from liger_kernel.ops.mhc import mhc_split_sinkhorn_fwd
+
+        from .mhc_project_triton import project_fwd
+
+        N, n, D = x.shape
+        x2 = x.reshape(N, n * D).contiguous()
+        phi = fn.detach().float().t().contiguous()
+        mix, invr = project_fwd(x2, phi, norm_eps)
+        b, sc = base.detach().float().contiguous(), scale.detach().float()
+        want = any(ctx.needs_input_grad)
+        got = mhc_split_sinkhorn_fwd(mix, b, sc[0], sc[1], sc[2], tmax=iters, pre_eps=hc_eps, sinkhorn_eps=hc_eps,
+                                     post_mult=2.0, return_hist=want)
+        ctx.save_for_backward(x2, phi, mix, invr, b, sc, *got[3:])
+        ctx.meta = (n, D, iters, hc_eps)
+        return got[0], got[1], got[2]
+
+    @staticmethod
+    def backward(ctx, g_pre, g_post, g_comb):
+        from liger_kernel.ops.mhc import mhc_sinkhorn_bwd
+
+        from .mhc_project_triton import project_bwd
+
+        x2, phi, mix, invr, b, sc, *hist = ctx.saved_tensors
+        n, D, iters, eps = ctx.meta
+        N = x2.shape[0]
+        dev = mix.device
+        g_pre = torch.zeros(N, n, device=dev) if g_pre is None else g_pre.float()
+        g_post = torch.zeros(N, n, device=dev) if g_post is None else g_post.float()
+        g_comb = torch.zeros(N, n, n, device=dev) if g_comb is None else g_comb.float().contiguous()
+        # the logits are scale_i * mix + base; pre = sigmoid + eps, post = 2 sigmoid, comb = Sinkhorn
+        z_res = mhc_sinkhorn_bwd(mix, b, sc[2], g_comb, tmax=iters, sinkhorn_eps=eps,
+                                 hist=hist[0] if hist else None).reshape(N, n * n)
+        s_pre = torch.sigmoid(mix[:, :n] * sc[0] + b[:n])
+        s_post = torch.sigmoid(mix[:, n:2 * n] * sc[1] + b[n:2 * n])
+        z = torch.cat([g_pre * s_pre * (1 - s_pre), g_post * 2 * s_post * (1 - s_post), z_res], 1)  # d logits [N, M]
+        per_col = torch.cat([sc[0].expand(n), sc[1].expand(n), sc[2].expand(n * n)])
+        grad_scale = torch.stack([(z[:, :n] * mix[:, :n]).sum(), (z[:, n:2 * n] * mix[:, n:2 * n]).sum(),
+                                  (z[:, 2 * n:] * mix[:, 2 * n:]).sum()])
+        gx, gphi = project_bwd(x2, phi, mix, invr, (z * per_col).contiguous())
+        return gx.view(N, n, D), gphi.t(), z.sum(0), grad_scale, None, None, None
 
 
 def _spans(N: int, chunk: int):
