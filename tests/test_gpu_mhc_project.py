@@ -20,23 +20,10 @@ def _rel(a, b) -> float:
 
 @pytest.mark.parametrize("N,n,D", [(70001, 4, 1536), (333, 2, 100)])
 def test_projection_matches_the_torch_twin(N, n, D):
-    from longctx.layers.residual import _rms
-    from longctx.ops.mhc_project_triton import mhc_project_triton
+    from test_mhc_project_triton import compare
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    M, K = (2 + n) * n, n * D
-    x0 = torch.randn(N, K, device="cuda", generator=g).bfloat16()
-    fn0 = torch.randn(M, K, device="cuda", generator=g) * 0.02
-    dmix = torch.randn(N, M, device="cuda", generator=g)
-    out = {}
-    for tag, op in (("ref", lambda x, fn: torch.nn.functional.linear(_rms(x.float(), EPS), fn)),
-                    ("tri", lambda x, fn: mhc_project_triton(x, fn, EPS))):
-        x, fn = x0.clone().requires_grad_(True), fn0.clone().requires_grad_(True)
-        mix = op(x, fn)
-        mix.backward(dmix)
-        out[tag] = (mix.detach(), x.grad, fn.grad)
-    errs = {w: _rel(a, b) for w, a, b in zip(("mix", "dx", "dfn"), out["tri"], out["ref"])}
+    errs = compare(f"N={N}", N, n, D, "bfloat16", device="cuda", seed=seed)
     print(f"N={N} n={n} D={D} seed {seed}: {errs}")
     assert errs["mix"] <= 5e-3 and errs["dx"] <= 2e-2 and errs["dfn"] <= 2e-2, (errs, seed)
 

@@ -21,15 +21,16 @@ CASES = [  # name, rows N, n streams, D hidden, dtype
 ]
 
 
-def compare(name, N, n, D, dtype):
+def compare(name, N, n, D, dtype, device="cpu", seed=0):
+    """{mix, dx, dfn: rel-RMS} of the kernels against the twin (tests/test_gpu_mhc_project.py runs it on CUDA)."""
     from longctx.layers.residual import _rms
     from longctx.ops.mhc_project_triton import mhc_project_triton
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     M, K = (2 + n) * n, n * D
-    x0 = (torch.randn(N, K, generator=g) * 2).to(getattr(torch, dtype))
-    fn0 = torch.randn(M, K, generator=g) * 0.05
-    dmix = torch.randn(N, M, generator=g)
+    x0 = (torch.randn(N, K, generator=g) * 2).to(device=device, dtype=getattr(torch, dtype))
+    fn0 = (torch.randn(M, K, generator=g) * 0.05).to(device)
+    dmix = torch.randn(N, M, generator=g).to(device)
     out = {}
     for tag, op in (("ref", lambda x, fn: torch.nn.functional.linear(_rms(x.float(), EPS), fn)),
                     ("tri", lambda x, fn: mhc_project_triton(x, fn, EPS))):
