@@ -9,7 +9,8 @@ Model h200-ref (fp32 master weights, bf16 autocast, backend "auto"), batch 1, ra
 step = forward + backward + AdamW step + router-balance update + the policy's end_step. For every
 length in 8k, 32k, 128k, 256k, 512k, 1M: "all_on" (the plan `auto_plan` resolves for this GPU, i.e.
 what the trainer runs) and each switch turned off in turn. An OOM is recorded as "oom" and the
-longer lengths of that config are skipped ("skipped_after_oom": memory only grows with S); a
+longer lengths of that config are skipped ("skipped_after_oom": memory only grows with S); a CUDA error
+(a kernel fault, which leaves the context unusable) is recorded as "cuda_error" and ends the invocation; a
 switch that changes nothing at some length (offload when the plan offloads nothing, ...) is
 "same_as_all_on". Per run: peak allocated and reserved, step time, tokens/s, MFU, host RSS, and
 the estimate (`longctx estimate`) of the same plan. Then: the baseline's longest context (doubling
@@ -410,7 +411,8 @@ class Bench:
 
     def measure(self, plan: MemoryPlan, S: int, reps: int, after_step=None, on_progress=None) -> dict:
         """`reps` full steps under `plan` (one policy, as in training; `after_step()` runs after each);
-        {'status': 'ok', ...} or {'status': 'oom', 'error': ...}. `on_progress(line)`: also called with
+        {'status': 'ok', ...}, {'status': 'oom', 'error': ...} or {'status': 'cuda_error', 'error': ...} (a kernel
+        fault; the context is unusable after it). `on_progress(line)`: also called with
         each chunk's line of a sequence-chunked step (the --peak timeline marks the chunks with it)."""
         policy = apply_plan(self.model, plan)
         if hasattr(policy, "progress"):  # the sequence-chunked step: a line per chunk, timed
@@ -439,6 +441,11 @@ class Bench:
                     after_step()
         except torch.OutOfMemoryError as e:
             err = str(e).strip().splitlines()[0][:300]
+        except torch.AcceleratorError as e:  # a kernel fault (calls 41-42: an illegal memory access at 512k)
+            msg = str(e).strip().splitlines()[0][:300]
+            if "out of memory" not in msg.lower():
+                return {"status": "cuda_error", "error": msg, "host_rss_gib": host_rss_gib()}
+            err = msg
         except RuntimeError as e:  # pinned host memory and some kernels report OOM as a plain RuntimeError
             if "out of memory" not in str(e).lower():
                 raise
@@ -598,6 +605,8 @@ class Bench:
                 self.res["runs"].append(rec)
                 self.save()
                 self.log(_line(rec))
+                if rec["status"] == "cuda_error":  # the CUDA context is unusable from here: stop, the run recorded
+                    raise SystemExit(f"{name} at {S:,} tokens: {rec['error']} (recorded in {self.path}; stopping)")
 
     def baseline_max(self, start: int, cap: int):
         if self.args.resume and "baseline_max_context" in self.res:
@@ -875,7 +884,7 @@ def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
-STATUS_TEXT = {"same_as_all_on": "= all_on", "skipped_after_oom": "skipped (oom before)"}
+STATUS_TEXT = {"same_as_all_on": "= all_on", "skipped_after_oom": "skipped (oom before)", "cuda_error": "CUDA error"}
 
 
 def report_text(res: dict, estimates: dict, cfg) -> str:

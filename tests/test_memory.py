@@ -789,6 +789,29 @@ def test_bench_memory_cpu_smoke(tmp_path):
     assert bench.main(["--cpu-smoke", "--out", str(fixed), "--plan", "offload"]) == 2
 
 
+def test_bench_memory_records_a_cuda_error_and_stops(tmp_path, monkeypatch):
+    """A kernel fault (calls 41-42: an illegal memory access at 512k) is a recorded run, "cuda_error" with its
+    message, and the invocation stops there (the CUDA context is unusable), not a traceback that loses it."""
+    spec = importlib.util.spec_from_file_location("bench_memory_err", ROOT / "bench" / "memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    real = bench.Bench._one_step
+
+    def faulting(self, policy, ids, labels):
+        if ids.shape[-1] >= 1024:
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        return real(self, policy, ids, labels)
+
+    monkeypatch.setattr(bench.Bench, "_one_step", faulting)
+    argv = ["--cpu-smoke", "--out", str(tmp_path), "--quiet", "--parts", "runs", "--configs", "all_on,loss_chunk_off",
+            "--no-warmup"]
+    with pytest.raises(SystemExit, match="illegal memory access"):
+        bench.main(argv)
+    runs = json.loads((tmp_path / "memory.json").read_text())["runs"]
+    assert [(r["config"], r["seq_len"], r["status"]) for r in runs][-1] == ("all_on", 1024, "cuda_error")
+    assert "illegal memory access" in runs[-1]["error"] and all(r["status"] != "cuda_error" for r in runs[:-1])
+
+
 def test_release_pinned_names_its_successor():
     """The old switch (pinned blocks handed back every step) is keep_pinned's inverse now: a config that
     still sets it hears the new name and the value that means the same."""
