@@ -16,7 +16,9 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: 
     model.eval()
     g = torch.Generator(device=prompt_ids.device).manual_seed(seed)
     caches = model.init_caches(prompt_ids.shape[0], device=prompt_ids.device)
-    logits = model(prompt_ids, caches=caches).logits[:, -1]
+    # the head over the prompt's last position only: [T, vocab] logits of a long prompt are GiBs (128k x 32k
+    # in bf16: 8 GiB) of which sampling reads one row
+    logits = model.lm_head(model.hidden(prompt_ids, caches=caches)[:, -1])
     out = [prompt_ids]
     for _ in range(max_new_tokens):
         if temperature <= 0:

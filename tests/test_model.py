@@ -108,3 +108,25 @@ def test_fused_kernels_auto_declines_aloud(monkeypatch):
     assert not fused_kernel_runs("swiglu_impl", "torch", "fake_kernel", FakeCuda())
     with pytest.raises(ConfigError, match="norm_impl must be one of auto, torch, triton"):
         fused_kernel_runs("norm_impl", "fused", "fake_kernel", FakeCuda())
+
+
+def test_generate_prefills_without_the_prompts_logits():
+    """The prompt's prefill applies the LM head to its last position only ([T, vocab] logits of a long prompt
+    are GiBs); greedy decoding gives the tokens of a loop over the full logits."""
+    from longctx.generate import generate
+
+    torch.manual_seed(0)
+    m = LongCtxModel(preset("tiny")).eval()
+    prompt = torch.randint(0, m.cfg.vocab_size, (1, 40))
+    rows = []
+    hook = m.lm_head.register_forward_hook(lambda mod, args, out: rows.append(tuple(args[0].shape)))
+    got = generate(m, prompt, 5, temperature=0)
+    hook.remove()
+    assert rows[0] == (1, m.cfg.hidden_size) and all(r[-2] == 1 for r in rows[1:]), rows
+    caches, toks = m.init_caches(1, device=prompt.device), [prompt]
+    with torch.no_grad():
+        logits = m(prompt, caches=caches).logits[:, -1]
+        for _ in range(5):
+            toks.append(logits.argmax(-1, keepdim=True))
+            logits = m(toks[-1], caches=caches).logits[:, -1]
+    assert torch.equal(got, torch.cat(toks, 1))
