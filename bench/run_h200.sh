@@ -5,7 +5,7 @@
 #   bash bench/run_h200.sh memory    # 8k warm-up, the 1M step, a profiled 128k step, the 8k..128k ablation
 #   bash bench/run_h200.sh step1m    # 8k warm-up, the 1M step, a profiled 128k step, baseline max, host memory
 #   NO_PACK=1 bash bench/run_h200.sh extras  # offload cost + pinned vs pageable, liger mHC, 128k/256k switches
-#   bash bench/run_h200.sh tests offload     # parts run in order in one call: tests, e2e, sparse, kda, indexer, variants, offload, liger, peak, host, switches
+#   bash bench/run_h200.sh tests offload     # parts run in order in one call: tests, e2e, sparse, kda, mhc, indexer, variants, offload, liger, peak, host, switches
 # The files each call brings back go to bench/results/memory_runs/ (numbered in call order), then
 #   python bench/memory.py --report bench/results/memory_runs/*.json --out bench/results
 # Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh); results go to $OUT.
@@ -81,6 +81,10 @@ sparse)
 kda)
   timeout $(left) python bench/kda.py --out "$OUT" > "$OUT/kda.log" 2>&1; tail -5 "$OUT/kda.log"
   ;;
+mhc)
+  # mHC: MHC_ARGS for bench/mhc.py (default --project: the coefficient projection, liger's kernels vs ours)
+  timeout $(left) python bench/mhc.py --out "$OUT" ${MHC_ARGS:---project} > "$OUT/mhc.log" 2>&1; tail -5 "$OUT/mhc.log"
+  ;;
 memory)
   # warm-up at 8k (compiles, optimizer state), one 1M step in steady state, a profiled 128k step,
   # then the ablation (each switch off in turn) at 8k, 32k, 128k while time is left
@@ -133,6 +137,6 @@ switches)
       --configs ${SWITCH_CONFIGS:-all_on,mhc_chunk_off,chunked_indexer_off,reuse_selection_off,router_release_off,mhc_cast_recompute_off,moe_bf16_combine_off,loss_chunk_off} \
       ${SWITCH_ARGS:-} > "$OUT/memory_extras.log" 2>&1; tail -16 "$OUT/memory_extras.log"
   ;;
-*) echo "usage: bench/run_h200.sh PART... with PART in tests e2e sparse kda indexer variants kernels memory step1m offload liger peak host switches extras"; exit 2 ;;
+*) echo "usage: bench/run_h200.sh PART... with PART in tests e2e sparse kda mhc indexer variants kernels memory step1m offload liger peak host switches extras"; exit 2 ;;
 esac
 done
