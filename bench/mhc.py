@@ -196,6 +196,10 @@ def main():
                     "(--tokens, default here 65536,131072)")
     args = ap.parse_args()
     if args.project:
+        if not torch.cuda.is_available() or not mhc_liger.liger_mhc_available():
+            print("error: bench/mhc.py --project needs a CUDA GPU and liger-kernel (it times liger's kernels against ours).",
+                  file=sys.stderr)
+            sys.exit(2)
         if args.tokens == ap.get_default("tokens"):
             args.tokens = "65536,131072"
         write_results(args.out, "mhc_project.json", run_project(args))
