@@ -79,6 +79,7 @@ from longctx.memory import peak as peak_mod
 from longctx.memory.meter import LiveBytes
 from longctx.memory.plan import MemoryPlan, apply_plan
 from longctx.model import LongCtxModel
+from longctx.ops import mhc_liger
 
 GIB = 2**30
 PEAK_FLOPS = 778e12
@@ -329,8 +330,6 @@ class Bench:
                       "norm": getattr(args, "norm_impl", None) or "auto",
                       "swiglu": getattr(args, "swiglu_impl", None) or "auto"}
         self.model.set_impls(**self.impls)
-        from longctx.ops import mhc_liger
-
         mhc_liger.PROJECTION = getattr(args, "mhc_projection", None) or mhc_liger.PROJECTION
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.0,
                                      fused=self.dev.dev.type == "cuda")
@@ -363,7 +362,7 @@ class Bench:
                 "autocast": str(self.dtype).replace("torch.", ""), "peak_tflops": PEAK_FLOPS / 1e12,
                 "residual_impl": self.impls["residual"], "indexer_kernel": self.impls["indexer_kernel"],
                 "kda_conv": self.impls["kda_conv"], "kda_norm": self.impls["kda_norm"], "norm_impl": self.impls["norm"],
-                "swiglu_impl": self.impls["swiglu"], "mhc_projection": _mhc_projection(), "cuda_alloc": self.cuda_alloc,
+                "swiglu_impl": self.impls["swiglu"], "mhc_projection": mhc_liger.PROJECTION, "cuda_alloc": self.cuda_alloc,
                 "model": self.cfg.to_dict()}
 
     def save(self):
@@ -848,12 +847,6 @@ def _renamed_for_today(r: dict) -> dict:
           and (plan.get("recompute") == "on" or str(plan.get("seq_chunk", "off")).isdigit())):
         name = "reuse_attention_off"
     return r if name == r["config"] else {**r, "config": name, "recorded_as": r["config"]}
-
-
-def _mhc_projection() -> str:
-    from longctx.ops import mhc_liger
-
-    return mhc_liger.PROJECTION
 
 
 def _estimator_version() -> str:

@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+from longctx import ops
 from longctx.ops import mhc_liger
 
 n, D = 4, 8
@@ -93,7 +94,7 @@ def test_launches_stay_under_the_int32_limit_and_compute_the_same(monkeypatch, c
     whole = _step(chunk)
     assert max(t for _, t in calls) == 18  # the coefficients: one call over all 18 tokens
     calls.clear()
-    monkeypatch.setattr(mhc_liger, "INT32_MAX_OFFSET", 5 * n * D - 1)  # 4 tokens a launch
+    monkeypatch.setattr(ops, "INT32_ELEMENTS", 4 * n * D)  # 4 tokens a launch
     assert mhc_liger.launch_rows(n * D) == 4
     pieces = _step(chunk)
     assert calls and max(t for _, t in calls) == 4, calls

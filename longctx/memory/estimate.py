@@ -34,6 +34,7 @@ import sys
 
 from ..config import ModelConfig, preset
 from ..errors import ConfigError
+from ..ops import int32_rows
 from .plan import MemoryPlan
 
 GIB = 2**30
@@ -421,7 +422,6 @@ AUTO_CHUNK_MAX = 131072
 # located), while 262,144 tokens (2^31 elements exactly) ran. So the automatic plan takes a whole-sequence
 # step only while every activation tensor stays within 2^31 elements; past that the sequence-chunked step,
 # whose kernels see one chunk, runs (it ran 1,048,576 tokens in chunks of 131,072).
-INT32_TENSOR_ELEMENTS = 2**31  # the elements an int32 offset reaches (0 .. 2^31 - 1)
 
 
 def widest_activation(cfg: ModelConfig) -> int:
@@ -440,9 +440,9 @@ def widest_activation(cfg: ModelConfig) -> int:
 
 
 def whole_sequence_max(cfg: ModelConfig) -> int:
-    """The most tokens per GPU a whole-sequence step takes under the automatic plan (INT32_TENSOR_ELEMENTS above):
-    262,144 for h200-ref."""
-    return INT32_TENSOR_ELEMENTS // widest_activation(cfg)
+    """The most tokens per GPU a whole-sequence step takes under the automatic plan (every activation within
+    2^31 elements, `ops.int32_rows`): 262,144 for h200-ref."""
+    return int32_rows(widest_activation(cfg))
 
 
 def whole_sequence_warning(cfg: ModelConfig, tokens: int, plan: MemoryPlan) -> str | None:

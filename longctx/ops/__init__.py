@@ -9,6 +9,16 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# The elements an int32 offset reaches (0 .. 2^31 - 1): kernels that address a tensor that way read and
+# write out of bounds past it (liger's mHC kernels do; bench/NOTES.md, calls 41-42).
+INT32_ELEMENTS = 2**31
+
+
+def int32_rows(row_elements: int) -> int:
+    """The most rows of `row_elements` a tensor may have for int32 offsets to address it (at least 1)."""
+    return max(1, INT32_ELEMENTS // row_elements)
+
+
 FUSED_IMPLS = ("auto", "torch", "triton")  # the settings norm_impl and swiglu_impl
 
 

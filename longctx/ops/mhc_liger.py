@@ -45,6 +45,7 @@ import functools
 import torch
 
 from ..errors import ConfigError
+from . import int32_rows
 from . import triton_interpreting as interpreting
 from .fused_loss import LIGER_MIN_VERSION, liger_import_error
 
@@ -52,12 +53,11 @@ __all__ = ["check_mhc_args", "liger_mhc_available", "liger_mhc_coefficients", "l
 
 MAX_STREAMS = 16
 DEFAULT_CHUNK = 16384  # memory.mhc_chunk's default: one chunk's fp32 buffer is 384 MiB at h200-ref's 4 x 1536
-INT32_MAX_OFFSET = 2**31 - 1  # the largest element offset liger's int32 row arithmetic reaches
 
 
 def launch_rows(row_elements: int) -> int:
     """The most tokens (rows of `row_elements`) one liger mHC launch may take: its int32 offsets stay in range."""
-    return max(1, INT32_MAX_OFFSET // row_elements)
+    return int32_rows(row_elements)
 
 
 def _in_pieces(op, rows: int, *tensors):
@@ -137,14 +137,13 @@ def liger_mhc_coefficients(streams: torch.Tensor, fn: torch.Tensor, base: torch.
     from liger_kernel.transformers.functional import liger_mhc_coeffs
 
     check_mhc_args(streams, fn, base, scale, iters)
-    s_pre, s_post, s_comb = scale.unbind(0)
-    phi = fn.t()
     lead, (n, D) = streams.shape[:-2], streams.shape[-2:]
 
     def coeffs(x):
         if PROJECTION == "triton":
             return _Coefficients.apply(x, fn, base, scale, int(iters), float(hc_eps), float(norm_eps))
-        return liger_mhc_coeffs(x, phi, base, s_pre, s_post, s_comb, allow_fp32=True, tmax=int(iters),
+        s_pre, s_post, s_comb = scale.unbind(0)
+        return liger_mhc_coeffs(x, fn.t(), base, s_pre, s_post, s_comb, allow_fp32=True, tmax=int(iters),
                                 rms_eps=float(norm_eps), pre_eps=float(hc_eps), sinkhorn_eps=float(hc_eps), post_mult=2.0)
 
     pre, post, comb = _in_pieces(coeffs, launch_rows(n * D), streams.reshape(-1, n, D))

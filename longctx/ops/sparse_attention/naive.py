@@ -15,6 +15,8 @@ tokens would otherwise keep 52 GB per layer).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.utils.checkpoint
 
@@ -38,6 +40,12 @@ def sparse_attention_torch(
     return (o, lse) if return_lse else o
 
 
+def _selected_rows(kv, idx):
+    """kv [B, S_kv, D] rows at in-range indices idx [B, s, K] -> [B, s, K, D]."""
+    B, s, K = idx.shape
+    return torch.gather(kv, 1, idx.reshape(B, -1, 1).expand(-1, -1, kv.shape[-1])).view(B, s, K, -1)
+
+
 def _block(q, kv, idx, scale):
     with torch.autocast(q.device.type, enabled=False):  # softmax statistics in fp32 even under autocast
         return _block_fp32(q, kv, idx, scale)
@@ -48,7 +56,7 @@ def _block_fp32(q, kv, idx, scale):
     acc = torch.promote_types(q.dtype, torch.float32)
     valid = idx >= 0  # [B, s, K]
     safe = idx.clamp(min=0).long()
-    sel = torch.gather(kv, 1, safe.reshape(B, -1, 1).expand(-1, -1, D)).view(B, s, -1, D)  # [B, s, K, D]
+    sel = _selected_rows(kv, safe)  # [B, s, K, D]
     logits = torch.einsum("bshd,bskd->bshk", q.to(acc), sel.to(acc)) * scale
     logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [B, s, H]
@@ -96,10 +104,9 @@ def sparse_attention_bwd_torch(q, kv, idx, o, lse, do, scale: float, chunk: int 
         for s0 in range(0, S, chunk):
             sl = slice(s0, s0 + chunk)
             qi, doi, ii = q[:, sl].to(acc), do[:, sl].to(acc), idx[:, sl]
-            s = qi.shape[1]
             valid = ii >= 0
             safe = ii.clamp(min=0).long()
-            sel = torch.gather(kv, 1, safe.reshape(B, -1, 1).expand(-1, -1, D)).view(B, s, -1, D).to(acc)
+            sel = _selected_rows(kv, safe).to(acc)
             logits = torch.einsum("bshd,bskd->bshk", qi, sel) * scale
             p = torch.exp(logits - lse[:, sl, :, None].to(acc)).masked_fill(~valid[:, :, None, :], 0.0)
             p = torch.nan_to_num(p, nan=0.0)  # rows with no valid slot (lse = -inf)
@@ -112,23 +119,24 @@ def sparse_attention_bwd_torch(q, kv, idx, o, lse, do, scale: float, chunk: int 
     return dq.to(q.dtype), dkv.to(kv.dtype)
 
 
-class _KeptSparseAttentionTorch(torch.autograd.Function):
+class KeptSparseAttention(torch.autograd.Function):
     """Sparse attention whose forward was run before (a block recompute's first pass, `reuse_attention`):
-    returns the kept output; its backward is `sparse_attention_bwd_torch` from the kept o and lse."""
+    returns the kept output o; its backward is `backward(q, kv, idx, o, lse, do) -> (dq, dkv)` from the kept
+    o and lse (this module's `sparse_attention_bwd_torch`, or the Triton kernel's backward)."""
 
     @staticmethod
-    def forward(ctx, q, kv, idx, o, lse, scale, chunk):
+    def forward(ctx, q, kv, idx, o, lse, backward):
         ctx.save_for_backward(q, kv, idx, o, lse)
-        ctx.scale, ctx.chunk = scale, chunk
+        ctx.bwd = backward
         return o.view_as(o)
 
     @staticmethod
     def backward(ctx, do):
-        q, kv, idx, o, lse = ctx.saved_tensors
-        dq, dkv = sparse_attention_bwd_torch(q, kv, idx, o, lse, do, ctx.scale, ctx.chunk)
-        return dq, dkv, None, None, None, None, None
+        dq, dkv = ctx.bwd(*ctx.saved_tensors, do)
+        return dq, dkv, None, None, None, None
 
 
 def kept_sparse_attention_torch(q, kv, idx, o, lse, scale: float, chunk: int = 256) -> torch.Tensor:
     """o (kept from an earlier forward over the same q, kv, idx), differentiable in q and kv."""
-    return _KeptSparseAttentionTorch.apply(q, kv, idx, o, lse, float(scale), chunk)
+    bwd = functools.partial(sparse_attention_bwd_torch, scale=float(scale), chunk=chunk)
+    return KeptSparseAttention.apply(q, kv, idx, o, lse, bwd)

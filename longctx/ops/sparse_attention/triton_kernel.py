@@ -20,6 +20,7 @@ Shapes it cannot take raise a ValueError; there is no fallback path.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -329,28 +330,13 @@ class _SparseAttention(torch.autograd.Function):
         return dq, dkv, None, None
 
 
-class _KeptSparseAttention(torch.autograd.Function):
-    """The kernel's attention whose forward ran before (a block recompute's first pass,
-    `memory.reuse_attention`): returns the kept output, and its backward is the kernel's backward from
-    the kept o and lse. Saves what `_SparseAttention` saves, so the backward is the same."""
-
-    @staticmethod
-    def forward(ctx, q, kv, idx, o, lse, scale):
-        ctx.save_for_backward(q, kv, idx, o, lse)
-        ctx.scale = scale
-        return o.view_as(o)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, kv, idx, o, lse = ctx.saved_tensors
-        dq, dkv = sparse_attention_bwd(q, kv, idx, o, lse, do, ctx.scale)
-        return dq, dkv, None, None, None, None
-
-
 def kept_sparse_attention_triton(q, kv, idx, o, lse, scale: float) -> torch.Tensor:
-    """o (kept from `sparse_attention_fwd` over the same q, kv, idx), differentiable in q and kv."""
+    """o (kept from `sparse_attention_fwd` over the same q, kv, idx), differentiable in q and kv: the kernel's
+    backward from the kept o and lse, on what `_SparseAttention` saves (naive.KeptSparseAttention)."""
+    from .naive import KeptSparseAttention
+
     _check(q, kv, idx)
-    return _KeptSparseAttention.apply(q, kv, idx, o, lse, float(scale))
+    return KeptSparseAttention.apply(q, kv, idx, o, lse, functools.partial(sparse_attention_bwd, scale=float(scale)))
 
 
 def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
