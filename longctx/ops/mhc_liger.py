@@ -34,7 +34,7 @@ forward and backward, within bf16 rounding (tests/test_gpu_mhc.py). The mapping 
   illegal memory access at 524,288 tokens, which has a second cause not located yet (bench/NOTES.md, calls
   41-42). Longer inputs go through in pieces, the same ops on each.
 - `PROJECTION` = "triton" (opt-in until timed on the H200) computes the coefficients' projection with our
-  kernels (ops/mhc_project_triton.py: liger's take 0.28 s of a 128k step, ~4x their byte floor) and keeps
+  kernels (ops/mhc_project_triton.py: liger's take 0.28 s of a 128k step, ~6x their byte floor) and keeps
   liger's Sinkhorn kernels (`_Coefficients`).
 """
 

@@ -5,7 +5,7 @@ twin is `layers.residual._mhc_project`). Built, CPU-tested, compiled for sm_90; 
 --project`, bench/NOTES.md).
 
 Why. Call 35's 128k profile: liger's `_mhc_mm_norm_fwd_kernel` 2.9 ms a call (48 a step), its backward
-5.9 ms (24 a step): 0.28 s of a 3.5 s step. Reading liger's sm_90 build (`python bench/compile_sm90.py`):
+5.9 ms (24 a step): 0.28 s of that 3.8 s profiled step. Reading liger's sm_90 build (`python bench/compile_sm90.py`):
 the forward unrolls its whole K loop (`tl.static_range` over nD = 6,144), 255 registers with 592 bytes
 spilled, mma.sync rather than wgmma, and reloads fn's 786 KB for every 32 rows; the backward adds every
 program's [256, 24] slice of grad fn with acq_rel atomics, 4,096 programs onto the same 147 K addresses
