@@ -31,7 +31,7 @@ from timing import provenance, timed, write_results
 
 from longctx.config import preset
 from longctx.layers.residual import MHC
-from longctx.ops import mhc_liger
+from longctx.ops import fused_loss, mhc_liger
 
 GIB = 1 << 30
 
@@ -81,7 +81,7 @@ def run_gpu(args) -> dict:
     warmup, reps = (1, 3) if args.quick else (2, 5)
     res = {
         **provenance(),
-        "liger_kernel": mhc_liger.liger_version(),
+        "liger_kernel": fused_loss.liger_version(),
         "streams": cfg.hc_streams, "hidden": cfg.hidden_size, "sinkhorn_iters": cfg.hc_sinkhorn_iters,
         "notes": "peak_extra_gib = max allocated during one fwd+bwd minus allocated before it (streams, noise, dout, "
                  "parameters); it includes the gradients.",
@@ -134,7 +134,7 @@ def run_project(args) -> dict:
 
     cfg = preset("h200-ref")
     K, M = cfg.hc_streams * cfg.hidden_size, (2 + cfg.hc_streams) * cfg.hc_streams
-    res = {**provenance(), "liger_kernel": mhc_liger.liger_version(), "K": K, "M": M,
+    res = {**provenance(), "liger_kernel": fused_loss.liger_version(), "K": K, "M": M,
            "ours_configs": {"fwd": ours.FWD, "bwd": ours.BWD}, "cases": []}
     for S in [int(s) for s in args.tokens.split(",")]:
         row = _project_case(S, K, M, cfg.rms_norm_eps)
