@@ -91,26 +91,47 @@ def test_fused_rms_norm_past_int32():
     assert _rel(_ends(y), ys) <= 1e-3 and _rel(_ends(dx), dxs) <= 1e-3
 
 
-def test_sparse_attention_past_int32():
-    """Our DSA kernel with queries [S, 16, 512] past 2^31 elements: the last queries' output and dq
-    against the kernel on those queries alone (same kv and indices)."""
+@pytest.mark.parametrize("case", ["token_major_past_2^31", "head_major_512k_regular", "head_major_512k_kept"])
+def test_sparse_attention_past_int32(case):
+    """Our DSA kernel with queries [S, 16, 512] past 2^31 elements. Token-major (contiguous) just past it; and
+    head-major at S = 524,288 (2^32 elements), the layout torch's einsum hands the DSA layer (head stride S x
+    512, so (H - 1) x head stride passes 2^31 from 279,621 tokens: the 512k whole-sequence step's backward
+    fault, call 46, fixed by int64 head offsets), through the regular Function and the kept-output path the
+    block recompute runs (`reuse_attention`): the last queries' output and dq against the kernel on those
+    queries alone (same kv and indices, contiguous)."""
     from test_gpu_sparse_attention import causal_pool_indices
 
-    from longctx.ops.sparse_attention.triton_kernel import sparse_attention_triton
+    from longctx.ops.sparse_attention.triton_kernel import (
+        kept_sparse_attention_triton,
+        sparse_attention_fwd,
+        sparse_attention_triton,
+    )
 
     H, D, K = 16, 512, 2051
-    S = _rows_past(H * D)
+    head_major = case.startswith("head_major")
+    S = 2**32 // (H * D) if head_major else _rows_past(H * D)
+
+    def layout(x):  # [1, S, H, D] in the case's layout
+        return x.transpose(1, 2).contiguous().transpose(1, 2) if head_major else x
+
     g = torch.Generator(device="cuda").manual_seed(8)
-    q = _randn(1, S, H, D, seed=9).requires_grad_(True)
-    kv = _randn(1, S, D, seed=10)
+    q = layout(_randn(1, S, H, D, seed=9)).requires_grad_(True)
+    kv = _randn(1, S, D, seed=10).requires_grad_(True)
     idx = causal_pool_indices(S, K, generator=g)[None]
-    do = _randn(1, S, H, D, seed=11)
+    do = layout(_randn(1, S, H, D, seed=11))
+    assert not head_major or q.stride(2) == S * D
     scale = D**-0.5
-    o = sparse_attention_triton(q, kv, idx, scale)
-    (dq,) = torch.autograd.grad(o, q, do)
+    if case.endswith("kept"):
+        with torch.no_grad():
+            o_kept, lse = sparse_attention_fwd(q, kv, idx, scale)
+        o = kept_sparse_attention_triton(q, kv, idx, o_kept, lse, scale)
+    else:
+        o = sparse_attention_triton(q, kv, idx, scale)
+    dq, dkv = torch.autograd.grad(o, (q, kv), do)
     torch.cuda.synchronize()
-    qs = q.detach()[:, -TAIL:].clone().requires_grad_(True)
-    os_ = sparse_attention_triton(qs, kv, idx[:, -TAIL:].contiguous(), scale)
+    assert torch.isfinite(dkv).all()
+    qs = q.detach()[:, -TAIL:].contiguous().requires_grad_(True)
+    os_ = sparse_attention_triton(qs, kv.detach(), idx[:, -TAIL:].contiguous(), scale)
     (dqs,) = torch.autograd.grad(os_, qs, do[:, -TAIL:].contiguous())
     # each query's output and dq are its own (no atomics): equal but for a launch config chosen by shape
     assert _rel(o[:, -TAIL:], os_) <= 5e-3 and _rel(dq[:, -TAIL:], dqs) <= 5e-3

@@ -80,6 +80,38 @@ def _run_cases() -> None:
             tq, tkv = sparse_attention_bwd_torch(q.detach(), kv.detach(), idx, o.detach(), lse, do, scale, chunk=5)
             res["twin_dq"], res["twin_dkv"] = _rel(tq, dq), _rel(tkv, dkv)
         print("RESULT " + json.dumps(res), flush=True)
+    _run_head_major_past_int32()
+
+
+def _run_head_major_past_int32() -> None:
+    """q and dO head-major with (H - 1) x head stride past 2^31 elements, as torch's einsum hands the DSA layer
+    its absorbed queries ([B, S, H, D] with head stride S x D) at 512k tokens: the kernel's head offsets must be
+    int64 (the 512k step's backward faulted in call 46; this case read out of bounds before the fix). The
+    views' storage is lazily committed (torch.empty of 8.6 GB virtual, ~50 rows touched)."""
+    import torch
+
+    from longctx.ops.sparse_attention.naive import sparse_attention_torch
+    from longctx.ops.sparse_attention.triton_kernel import sparse_attention_triton
+
+    H, D, S, K = 16, 32, 3, 5
+    hs = ((2**31) // (H - 1) + 127) // 64 * 64
+    g = torch.Generator().manual_seed(7)
+
+    def head_major(x):
+        v = torch.empty(H * hs, dtype=torch.float32).as_strided(x.shape, (0, D, hs, 1))
+        return v.copy_(x)
+
+    q = head_major(torch.randn(1, S, H, D, generator=g)).requires_grad_(True)
+    do = head_major(torch.randn(1, S, H, D, generator=g))
+    kv = torch.randn(1, S, D, generator=g).requires_grad_(True)
+    idx = torch.randint(0, S, (1, S, K), generator=g, dtype=torch.int32)
+    o = sparse_attention_triton(q, kv, idx, D**-0.5)
+    dq, dkv = torch.autograd.grad(o, (q, kv), do)
+    qr, kr = q.detach().contiguous().requires_grad_(True), kv.detach().clone().requires_grad_(True)
+    o_ref = sparse_attention_torch(qr, kr, idx, D**-0.5)
+    dq_ref, dkv_ref = torch.autograd.grad(o_ref, (qr, kr), do.contiguous())
+    print("RESULT " + json.dumps({"name": "head_major_past_int32", "head_offset": (H - 1) * hs, "o": _rel(o, o_ref),
+                                  "dq": _rel(dq, dq_ref), "dkv": _rel(dkv, dkv_ref)}), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +132,11 @@ def test_matches_torch_twin_fp32(interp_results, case):
     assert r["empty_zero"] == 0.0, r
     if case in KEPT_CASES:
         assert r["kept_equal"] and r["twin_dq"] < 1e-4 and r["twin_dkv"] < 1e-4, r
+
+
+def test_head_major_queries_past_int32(interp_results):
+    r = interp_results["head_major_past_int32"]
+    assert r["head_offset"] > 2**31 and max(r["o"], r["dq"], r["dkv"]) < 1e-4, r
 
 
 def test_rejects_unsupported_shapes():

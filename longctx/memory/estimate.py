@@ -441,7 +441,9 @@ def widest_activation(cfg: ModelConfig) -> int:
 
 def whole_sequence_max(cfg: ModelConfig) -> int:
     """The most tokens per GPU a whole-sequence step takes under the automatic plan (every activation within
-    2^31 elements, `ops.int32_rows`): 262,144 for h200-ref."""
+    2^31 elements, `ops.int32_rows`): 262,144 for h200-ref, the longest whole-sequence step the H200 has run.
+    The 512k step's fault (calls 41-46) was our sparse kernel's int32 head offsets, fixed after call 46; the
+    bound stays until the H200 has run that step with the fix (bench/NOTES.md, "Next GPU calls")."""
     return int32_rows(widest_activation(cfg))
 
 
@@ -452,8 +454,9 @@ def whole_sequence_warning(cfg: ModelConfig, tokens: int, plan: MemoryPlan) -> s
     if plan.seq_chunk_tokens() or tokens <= limit:
         return None
     return (f"a whole-sequence step of {tokens:,} tokens holds activations of {tokens * widest_activation(cfg) / 1e9:.1f} G "
-            f"elements, past the 2^31 that int32-indexed kernels address (h200-ref at 524,288 tokens stopped with an "
-            f"illegal memory access on the H200); memory.seq_chunk=auto chunks every sequence above {limit:,} tokens.")
+            f"elements, past 2^31, and no whole-sequence step that large has run correctly on the H200 yet (h200-ref at "
+            f"524,288 tokens stopped with an illegal memory access, since fixed but not re-run); memory.seq_chunk=auto "
+            f"chunks every sequence above {limit:,} tokens.")
 
 
 def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1) -> list[MemoryPlan]:

@@ -73,7 +73,7 @@ def _load_query_block(Q, W, b, t0, stride_qb, stride_qs, stride_qh, stride_wb, s
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     q_ok = ((t0 + rm) < S) & (rh < H)
-    q = tl.load(Q + b * stride_qb + (t0 + rm)[:, None].to(tl.int64) * stride_qs + rh[:, None] * stride_qh
+    q = tl.load(Q + b * stride_qb + (t0 + rm)[:, None].to(tl.int64) * stride_qs + rh[:, None].to(tl.int64) * stride_qh
                 + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
@@ -81,7 +81,7 @@ def _load_query_block(Q, W, b, t0, stride_qb, stride_qs, stride_qh, stride_wb, s
     offs_h = tl.arange(0, BLOCK_H)
     t = t0 + offs_m
     m_ok = t < S
-    w = tl.load(W + b * stride_wb + t[:, None].to(tl.int64) * stride_ws + offs_h[None, :] * stride_wh,
+    w = tl.load(W + b * stride_wb + t[:, None].to(tl.int64) * stride_ws + offs_h[None, :].to(tl.int64) * stride_wh,
                 mask=m_ok[:, None] & (offs_h[None, :] < H), other=0.0).to(tl.float32)
     return q, tl.reshape(w, [BLOCK_M, BLOCK_H, 1]), offs_d, d_ok, offs_m, t, m_ok
 

@@ -68,7 +68,9 @@ def _sparse_attn_fwd(
     h0 = tl.program_id(1) * BLOCK_H
     b = tl.program_id(2).to(tl.int64)
 
-    offs_h = h0 + tl.arange(0, BLOCK_H)
+    # int64: a head-major q (torch's einsum output, [B, S, H, D] with head stride S * D) puts (H - 1) x that past
+    # 2^31 elements from 279,621 tokens at D = 512 (the 512k step's backward fault, call 46)
+    offs_h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     h_ok = offs_h < H
@@ -144,7 +146,9 @@ def _sparse_attn_bwd(
     h0 = tl.program_id(1) * BLOCK_H
     b = tl.program_id(2).to(tl.int64)
 
-    offs_h = h0 + tl.arange(0, BLOCK_H)
+    # int64: a head-major q (torch's einsum output, [B, S, H, D] with head stride S * D) puts (H - 1) x that past
+    # 2^31 elements from 279,621 tokens at D = 512 (the 512k step's backward fault, call 46)
+    offs_h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     h_ok = offs_h < H
