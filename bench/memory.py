@@ -1084,8 +1084,8 @@ def main(argv=None) -> int:
     ap.add_argument("--swiglu-impl", choices=["auto", "torch", "triton"],
                     help="every clamped SwiGLU for every run (default auto: the fused kernels, ops/swiglu_triton.py, on CUDA; torch: layers/mlp.py)")
     ap.add_argument("--mhc-projection", choices=["liger", "triton"],
-                    help="liger mHC's coefficient projection for every run (default liger's Function; triton: ours, "
-                         "ops/mhc_project_triton.py, with liger's Sinkhorn: mhc_liger.PROJECTION)")
+                    help="liger mHC's coefficient projection for every run (default triton: ours, ops/mhc_project_triton.py, "
+                         "with liger's Sinkhorn; liger: liger's whole Function; mhc_liger.PROJECTION)")
     ap.add_argument("--indexer-kernel", choices=["fused", "two_phase", "two_phase_radix"],
                     help="the indexers' Triton path for every run (default two_phase; fused: the one-kernel radix select)")
     ap.add_argument("--residual-impl", choices=["auto", "torch", "liger"],

@@ -64,14 +64,25 @@ def _run(mhc: MHC, impl: str, streams, gain, noise, dout, dx):
             "d_fn": mhc.fn.grad.clone(), "d_base": mhc.base.grad.clone(), "d_scale": mhc.scale.grad.clone()}
 
 
+def _liger_impl() -> str:
+    """The impl record of the liger path under the current mhc_liger.PROJECTION."""
+    from longctx.ops import mhc_liger
+
+    return "mhc:liger+triton-proj" if mhc_liger.PROJECTION == "triton" else "mhc:liger"
+
+
+@pytest.mark.parametrize("projection", ["triton", "liger"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("shape", [(1, 4096), (2, 1000)])
-def test_liger_mhc_matches_torch(seed, shape):
+def test_liger_mhc_matches_torch(seed, shape, projection, monkeypatch):
+    from longctx.ops import mhc_liger
+
+    monkeypatch.setattr(mhc_liger, "PROJECTION", projection)
     mhc = _module(seed)
     data = _inputs(mhc, *shape, seed=seed + 10)
     t = _run(mhc, "torch", *data)
     lg = _run(mhc, "liger", *data)
-    assert (t["impl"], lg["impl"]) == ("mhc:torch", "mhc:liger")
+    assert (t["impl"], lg["impl"]) == ("mhc:torch", _liger_impl())
     assert lg["x"].dtype == lg["out"].dtype == torch.bfloat16 and lg["out"].shape == t["out"].shape
     errs = {k: rel_rms(lg[k], t[k]) for k in t if k != "impl"}
     # the orientation of comb matters (comb[j, i]: stream j -> i); a transposed comb would be far off
@@ -122,11 +133,11 @@ def test_model_liger_mhc_is_as_close_to_fp32_as_the_torch_path():
         return out.lm_loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     loss_l, g_l = step("liger")
-    assert {m.last_impl for m in mhcs} == {"mhc:liger"} and "mhc:liger" in model.impl_report()
+    assert {m.last_impl for m in mhcs} == {_liger_impl()} and _liger_impl() in model.impl_report()
     loss_t, g_t = step("torch")
     loss_f, g_f = step("torch", bf16=False)
     step("auto")
-    assert {m.last_impl for m in mhcs} == {"mhc:liger"}  # auto takes liger on CUDA (residual.AUTO_USES_LIGER)
+    assert {m.last_impl for m in mhcs} == {_liger_impl()}  # auto takes liger on CUDA (residual.AUTO_USES_LIGER)
     flat = lambda g: torch.cat([v.flatten().double() for k, v in sorted(g.items())])  # noqa: E731
     e_l, e_t = rel_rms(flat(g_l), flat(g_f)), rel_rms(flat(g_t), flat(g_f))
     print(f"grad rel-RMS vs fp32: liger {e_l:.4f}, torch {e_t:.4f}; liger vs torch {rel_rms(flat(g_l), flat(g_t)):.4f}")

@@ -68,6 +68,9 @@ def _fake_liger(monkeypatch) -> list:
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(mhc_liger, "_import_error", lambda: None)
     monkeypatch.setattr(mhc_liger, "check_mhc_args", lambda *a: None)  # it wants CUDA tensors
+    # the coefficients through liger's whole Function (the stand-in above), not our projection (the default),
+    # whose Triton kernels these CPU tensors cannot run
+    monkeypatch.setattr(mhc_liger, "PROJECTION", "liger")
     return calls
 
 

@@ -62,7 +62,7 @@ def compare_coefficients(name, B, S, n, D):
     g = torch.Generator().manual_seed(1)
     x0 = torch.randn(B, S, n, D, generator=g)
     gs = [torch.randn(B, S, n, generator=g), torch.randn(B, S, n, generator=g), torch.randn(B, S, n, n, generator=g)]
-    out = {}
+    out, before = {}, mhc_liger.PROJECTION
     for proj in ("liger", "triton"):
         mhc_liger.PROJECTION = proj
         mhc.zero_grad(set_to_none=True)
@@ -71,7 +71,7 @@ def compare_coefficients(name, B, S, n, D):
                                                norm_eps=mhc.norm_eps)
         sum((t * w).sum() for t, w in zip(got, gs)).backward()
         out[proj] = [t.detach() for t in got] + [x.grad, mhc.fn.grad, mhc.base.grad, mhc.scale.grad]
-    mhc_liger.PROJECTION = "liger"
+    mhc_liger.PROJECTION = before
     names = ("pre", "post", "comb", "d_streams", "d_fn", "d_base", "d_scale")
     return {w: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
             for w, a, b in zip(names, out["triton"], out["liger"])}

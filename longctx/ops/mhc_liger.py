@@ -33,9 +33,11 @@ forward and backward, within bf16 rounding (tests/test_gpu_mhc.py). The mapping 
   streams hold 6,144 elements a token: 349,525 tokens). Found by reading the kernels after call 41's
   illegal memory access at 524,288 tokens, which has a second cause not located yet (bench/NOTES.md, calls
   41-42). Longer inputs go through in pieces, the same ops on each.
-- `PROJECTION` = "triton" (opt-in until timed on the H200) computes the coefficients' projection with our
-  kernels (ops/mhc_project_triton.py: liger's take 0.28 s of a 128k step, ~6x their byte floor) and keeps
-  liger's Sinkhorn kernels (`_Coefficients`).
+- `PROJECTION` = "triton" (the default since call 45) computes the coefficients' projection with our
+  kernels (ops/mhc_project_triton.py; liger's took 0.28 s of a 128k step, ~6x their byte floor) and keeps
+  liger's Sinkhorn kernels (`_Coefficients`); "liger" runs liger's whole coefficient Function. H200, 128k
+  tokens (bench/results/mhc_project.json): forward 2.99 -> 1.35 ms, backward 5.84 -> 2.68 ms a call; the
+  128k step 3.50 -> 3.36 s (bench/NOTES.md).
 """
 
 from __future__ import annotations
@@ -202,10 +204,11 @@ def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tenso
 # `chunk` now only bounds a launch (the kernels' fp32 temporaries live in registers).
 
 
-# Which projection the coefficients run: "liger" (liger's coefficient Function, what every measurement so
-# far ran) or "triton" (`_Coefficients`: ours, ops/mhc_project_triton.py, with liger's Sinkhorn kernels).
-# Opt-in until the H200 times it (bench/NOTES.md, "mHC's coefficient projection in Triton").
-PROJECTION = "liger"
+# Which projection the coefficients run: "triton" (`_Coefficients`: ours, ops/mhc_project_triton.py, with
+# liger's Sinkhorn kernels; the default since the H200 timed it, call 45) or "liger" (liger's coefficient
+# Function, what every measurement before call 45 ran). The step's impl record says "mhc:liger+triton-proj"
+# for the first.
+PROJECTION = "triton"
 
 
 class _Coefficients(torch.autograd.Function):

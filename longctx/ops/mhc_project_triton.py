@@ -1,8 +1,8 @@
 """mHC's coefficient projection, mix = RMSNorm(x) @ fn^T, forward and backward in Triton: the costly part of
 liger's coefficient Function (x the flattened streams [N, nD], fn [M, nD] with M = (2+n)n; the plain-torch
-twin is `layers.residual._mhc_project`). Built, CPU-tested, compiled for sm_90; the model runs it only with
-`mhc_liger.PROJECTION = "triton"` until the H200 has timed it against liger's (`python bench/mhc.py
---project`, bench/NOTES.md).
+twin is `layers.residual._mhc_project`). The model runs it by default (`mhc_liger.PROJECTION = "triton"`;
+"liger" for liger's): on the H200 2.2x liger's kernels at 128k tokens (`python bench/mhc.py --project`,
+bench/results/mhc_project.json; bench/NOTES.md).
 
 Why. Call 35's 128k profile: liger's `_mhc_mm_norm_fwd_kernel` 2.9 ms a call (48 a step), its backward
 5.9 ms (24 a step): 0.28 s of that 3.8 s profiled step. Reading liger's sm_90 build (`python bench/compile_sm90.py`):
