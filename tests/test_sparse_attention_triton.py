@@ -87,7 +87,7 @@ def _run_head_major_past_int32() -> None:
     """q and dO head-major with (H - 1) x head stride past 2^31 elements, as torch's einsum hands the DSA layer
     its absorbed queries ([B, S, H, D] with head stride S x D) at 512k tokens: the kernel's head offsets must be
     int64 (the 512k step's backward faulted in call 46; this case read out of bounds before the fix). The
-    views' storage is lazily committed (torch.empty of 8.6 GB virtual, ~50 rows touched)."""
+    views' storage is lazily committed (one torch.empty of 8.6 GB virtual, ~100 rows touched)."""
     import torch
 
     from longctx.ops.sparse_attention.naive import sparse_attention_torch
@@ -96,13 +96,16 @@ def _run_head_major_past_int32() -> None:
     H, D, S, K = 16, 32, 3, 5
     hs = ((2**31) // (H - 1) + 127) // 64 * 64
     g = torch.Generator().manual_seed(7)
-
-    def head_major(x):
-        v = torch.empty(H * hs, dtype=torch.float32).as_strided(x.shape, (0, D, hs, 1))
-        return v.copy_(x)
-
-    q = head_major(torch.randn(1, S, H, D, generator=g)).requires_grad_(True)
-    do = head_major(torch.randn(1, S, H, D, generator=g))
+    try:  # one buffer for both views: q's rows at the start of each head's span, dO's after them
+        base = torch.empty(H * hs, dtype=torch.float32)
+    except RuntimeError as e:  # a machine that will not reserve 8.6 GB of address space
+        print("RESULT " + json.dumps({"name": "head_major_past_int32", "skipped": f"{e}"[:200]}), flush=True)
+        return
+    q = base.as_strided((1, S, H, D), (0, D, hs, 1))
+    do = base.as_strided((1, S, H, D), (0, D, hs, 1), S * D)
+    q.copy_(torch.randn(1, S, H, D, generator=g))
+    do.copy_(torch.randn(1, S, H, D, generator=g))
+    q.requires_grad_(True)
     kv = torch.randn(1, S, D, generator=g).requires_grad_(True)
     idx = torch.randint(0, S, (1, S, K), generator=g, dtype=torch.int32)
     o = sparse_attention_triton(q, kv, idx, D**-0.5)
@@ -136,6 +139,8 @@ def test_matches_torch_twin_fp32(interp_results, case):
 
 def test_head_major_queries_past_int32(interp_results):
     r = interp_results["head_major_past_int32"]
+    if "skipped" in r:
+        pytest.skip(f"could not allocate the 8.6 GB (virtual) buffer: {r['skipped']}")
     assert r["head_offset"] > 2**31 and max(r["o"], r["dq"], r["dkv"]) < 1e-4, r
 
 
