@@ -168,5 +168,21 @@ def test_rejects_unsupported_shapes():
             sparse_attention_triton(torch.randn(1, 8, 2, 32), kv, idx, 0.1)
 
 
+def test_backward_rejects_mismatched_saved_tensors():
+    """The backward (the kept-output path hands it o and lse from an earlier forward) raises, naming the shapes,
+    where o, dO or lse do not belong to q, instead of launching a kernel that would read outside them."""
+    import torch
+
+    from longctx.ops.sparse_attention.triton_kernel import sparse_attention_bwd
+
+    B, S, H, D = 1, 8, 2, 32
+    q, kv, idx = torch.randn(B, S, H, D), torch.randn(B, S, D), torch.zeros(B, S, 4, dtype=torch.int32)
+    o, do, lse = torch.randn(B, S, H, D), torch.randn(B, S, H, D), torch.zeros(B, S, H)
+    for args in ((o[:, :4], lse, do), (o, lse[:, :4], do), (o, lse, do[..., :16]), (o, lse.double(), do),
+                 (o, lse.transpose(1, 2).contiguous().transpose(1, 2), do)):
+        with pytest.raises(ValueError, match="sparse_attention_bwd"):
+            sparse_attention_bwd(q, kv, idx, args[0], args[1], args[2], 0.1)
+
+
 if __name__ == "__main__":
     _run_cases()

@@ -288,8 +288,26 @@ def sparse_attention_fwd(q, kv, idx, scale, cfg=None):
     return o, lse
 
 
+def _check_bwd(q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor) -> None:
+    """Raise a ValueError naming the shapes when o, lse or dO do not belong to q (the kernel indexes all four
+    with q's query and head counts, so a mismatch would read outside them); q's own shape is `_check`'s."""
+    if q.dim() != 4:
+        return
+    B, S, H, _ = q.shape
+    if o.shape != q.shape or do.shape != q.shape or tuple(lse.shape) != (B, S, H):
+        raise ValueError(
+            f"sparse_attention_bwd: o {tuple(o.shape)}, dO {tuple(do.shape)} and lse {tuple(lse.shape)} must be "
+            f"q's shape {tuple(q.shape)} and [B, S, H] = {(B, S, H)} (o and lse from the forward over the same q)"
+        )
+    if lse.dtype != torch.float32 or lse.stride(-1) != 1:
+        raise ValueError(f"sparse_attention_bwd: lse must be float32 with unit stride over heads (got {lse.dtype}, "
+                         f"strides {lse.stride()}), as sparse_attention_fwd returns it")
+
+
 def sparse_attention_bwd(q, kv, idx, o, lse, do, scale, cfg=None):
     """Backward: returns (dq like q, dkv like kv). dkv is summed in an fp32 buffer by atomics."""
+    _check_bwd(q, o, lse, do)
+    _check(q, kv, idx)
     q, kv, idx, o, do = (_last_contig(x) for x in (q, kv, idx, o, do))
     B, S, H, D = q.shape
     K = idx.shape[2]
