@@ -113,6 +113,21 @@ def test_coefficients_with_our_projection_equal_ligers_under_the_interpreter():
         assert all(v <= 1e-5 for k, v in r.items() if k != "name"), r
 
 
+def test_wider_streams_run_ligers_projection_and_say_so(monkeypatch):
+    """Our projection's tiles do not fit sm_90's shared memory past 8 streams: there liger's projection runs,
+    with a warning naming hc_streams (never silently), and the step record says mhc:liger."""
+    from longctx import errors
+    from longctx.ops import mhc_liger
+
+    monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
+    monkeypatch.setattr(mhc_liger, "PROJECTION", "triton")
+    assert mhc_liger.projection(4) == mhc_liger.projection(mhc_liger.PROJECT_MAX_STREAMS) == "triton"
+    with pytest.warns(RuntimeWarning, match="hc_streams <= 8 \\(got 16\\)"):
+        assert mhc_liger.projection(16) == "liger"
+    monkeypatch.setattr(mhc_liger, "PROJECTION", "liger")
+    assert mhc_liger.projection(4) == "liger"
+
+
 def test_refuses_cpu_tensors_outside_the_interpreter():
     from longctx.ops.mhc_project_triton import mhc_project_triton
 

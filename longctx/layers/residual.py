@@ -126,7 +126,7 @@ class MHC(nn.Module):
 
     def enter(self, streams: torch.Tensor):
         if self.pick_impl(streams) == "liger":
-            self.last_impl = "mhc:liger+triton-proj" if mhc_liger.PROJECTION == "triton" else "mhc:liger"
+            self.last_impl = "mhc:liger+triton-proj" if mhc_liger.projection(self.n) == "triton" else "mhc:liger"
             pre, post, comb = mhc_liger.liger_mhc_coefficients(streams, self.fn, self.base, self.scale, iters=self.iters,
                                                                hc_eps=self.hc_eps, norm_eps=self.norm_eps)
             return mhc_liger.liger_mhc_pre(streams, pre, chunk=self.liger_chunk), (post, comb, "liger")

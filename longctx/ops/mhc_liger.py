@@ -141,8 +141,10 @@ def liger_mhc_coefficients(streams: torch.Tensor, fn: torch.Tensor, base: torch.
     check_mhc_args(streams, fn, base, scale, iters)
     lead, (n, D) = streams.shape[:-2], streams.shape[-2:]
 
+    ours = projection(n) == "triton"
+
     def coeffs(x):
-        if PROJECTION == "triton":
+        if ours:
             return _Coefficients.apply(x, fn, base, scale, int(iters), float(hc_eps), float(norm_eps))
         s_pre, s_post, s_comb = scale.unbind(0)
         return liger_mhc_coeffs(x, fn.t(), base, s_pre, s_post, s_comb, allow_fp32=True, tmax=int(iters),
@@ -209,6 +211,23 @@ def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tenso
 # Function, what every measurement before call 45 ran). The step's impl record says "mhc:liger+triton-proj"
 # for the first.
 PROJECTION = "triton"
+# Our projection's tiles hold the [*, (2 + n) n] product in registers and fn^T's [64, (2 + n) n] fp32 slice in
+# shared memory per stage: at n = 8 (M = 80, padded to 128) the sm_90 build fits (bwd 160 KiB shared, no
+# spills); at n = 16 (M = 288 -> 512) it needs 392 / 640 KiB of shared memory and cannot launch
+# (`python bench/compile_sm90.py`-style builds). Wider streams run liger's projection, said once.
+PROJECT_MAX_STREAMS = 8
+
+
+def projection(n: int) -> str:
+    """Which projection the coefficients of n streams run: PROJECTION, or "liger" (with a warning) where
+    ours does not take n."""
+    if PROJECTION == "triton" and n > PROJECT_MAX_STREAMS:
+        from ..errors import warn_fallback
+
+        warn_fallback(f"mHC coefficient projection: our Triton kernel takes hc_streams <= {PROJECT_MAX_STREAMS} "
+                      f"(got {n}); liger's projection runs instead (the step record says mhc:liger)")
+        return "liger"
+    return PROJECTION
 
 
 class _Coefficients(torch.autograd.Function):
