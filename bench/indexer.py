@@ -6,7 +6,8 @@
 Problem (the h200-ref indexer): q [1,S,16,64] bf16 (pre-scaled), w [1,S,16] fp32, pooled keys
 [1,S/4,64] bf16, pool 4, top-512 pools (top-2048 tokens). Per S it times the fused kernel, the
 two-phase path (`ops/indexer/two_phase.py`: a score kernel into an fp32 [1024, pools] buffer, then
-each row's k-th score by torch.topk, or by our radix kernel in `two_phase_radix`, and the emit kernel;
+each row's k-th score by torch.topk, by our radix kernel in `two_phase_radix` or by torch.topk over group
+maxima then over the chosen groups in `two_phase_grouped`, and the emit kernel;
 the rows that differ from the fused kernel's are counted), the
 chunked torch twin (256 queries per pass, up to --torch-max) and the unchunked twin (an fp32
 [S,H,NP] workspace) until it runs out of memory (recorded as {"oom": true}), records each one's
@@ -193,6 +194,10 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
     return out
 
 
+# the two-phase path's k-th selects: torch.topk over each row, our radix kernel, topk over group maxima
+TWO_PHASE_KTH = {"two_phase": "topk", "two_phase_radix": "radix", "two_phase_grouped": "grouped"}
+
+
 def two_phase_case(S, H, D, K, dev, warmup, reps, chunk=1024, kth="topk"):
     """The two-phase indexer (score kernel into an fp32 [chunk, pools] buffer, each row's k-th score by
     torch.topk or the radix kernel, the emit kernel)."""
@@ -281,7 +286,7 @@ def main():
         results.setdefault("compile_s", {})[f"{H}x{D}"] = time.perf_counter() - t0
         del qw
         unchunked_alive = True
-        last = {"kernel": (None, 0), "two_phase": (None, 0), "two_phase_radix": (None, 0), "torch_chunk256": (None, 0),
+        last = {"kernel": (None, 0), **{n: (None, 0) for n in TWO_PHASE_KTH}, "torch_chunk256": (None, 0),
                 "torch_unchunked": (None, 0)}
         for S in seqlens:
             case = {"S": S, "H": H, "D": D, "pairs": pairs(S), "floor_ms": floor_ms(S, H, D)}
@@ -292,22 +297,14 @@ def main():
             else:
                 case["kernel"], kout, kin = kernel_case(S, H, D, K, dev, warmup, reps)
                 last["kernel"] = (case["kernel"], S)
-            if skip := over_budget(*last["two_phase"], S, 1 + reps):
-                case["two_phase"] = skip
-            else:
-                case["two_phase"], two = two_phase_case(S, H, D, K, dev, warmup, reps, chunk=32 if dev.cpu else 1024)
-                last["two_phase"] = (case["two_phase"], S)
+            for name, kth in TWO_PHASE_KTH.items():  # the two-phase path with each k-th select
+                if skip := over_budget(*last[name], S, 1 + reps):
+                    case[name] = skip
+                    continue
+                case[name], two = two_phase_case(S, H, D, K, dev, warmup, reps, chunk=32 if dev.cpu else 1024, kth=kth)
+                last[name] = (case[name], S)
                 if kout is not None and two is not None:
-                    case["two_phase"]["rows_differ_from_kernel"] = int((two != kout).any(-1).sum())
-                del two
-            if skip := over_budget(*last["two_phase_radix"], S, 1 + reps):
-                case["two_phase_radix"] = skip
-            else:
-                case["two_phase_radix"], two = two_phase_case(S, H, D, K, dev, warmup, reps, chunk=32 if dev.cpu else 1024,
-                                                              kth="radix")
-                last["two_phase_radix"] = (case["two_phase_radix"], S)
-                if kout is not None and two is not None:
-                    case["two_phase_radix"]["rows_differ_from_kernel"] = int((two != kout).any(-1).sum())
+                    case[name]["rows_differ_from_kernel"] = int((two != kout).any(-1).sum())
                 del two
             if S > args.torch_max:
                 case["torch_chunk256"] = f"skipped: S > --torch-max {args.torch_max}"

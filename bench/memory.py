@@ -1086,7 +1086,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mhc-projection", choices=["liger", "triton"],
                     help="liger mHC's coefficient projection for every run (default triton: ours, ops/mhc_project_triton.py, "
                          "with liger's Sinkhorn; liger: liger's whole Function; mhc_liger.PROJECTION)")
-    ap.add_argument("--indexer-kernel", choices=["fused", "two_phase", "two_phase_radix"],
+    ap.add_argument("--indexer-kernel", choices=["fused", "two_phase", "two_phase_radix", "two_phase_grouped"],
                     help="the indexers' Triton path for every run (default two_phase; fused: the one-kernel radix select)")
     ap.add_argument("--residual-impl", choices=["auto", "torch", "liger"],
                     help="mHC implementation for every run (default auto = liger's fused kernels on CUDA)")

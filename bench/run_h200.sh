@@ -62,8 +62,8 @@ indexer)
 variants)
   # 128k steps with opt-in kernels beside all_on (the defaults) in the same call (VARIANTS: ';'-separated
   # memory.py options, "all_on" for none). Call 12 ran "--indexer-kernel fused --kda-conv torch" (then the
-  # defaults), two_phase, fla conv and both; next: the radix k-th select in the two-phase indexer
-  IFS=';' read -ra vs <<< "${VARIANTS:-all_on;--indexer-kernel two_phase_radix}"
+  # defaults), two_phase, fla conv and both; call 15 the radix k-th select; next: the grouped k-th select
+  IFS=';' read -ra vs <<< "${VARIANTS:-all_on;--indexer-kernel two_phase_grouped}"
   for v in "${vs[@]}"; do
     d=$(echo $v | tr -d ' -' | tr '_' '-'); o=$v; [ "$v" = all_on ] && o=
     echo "$(date +%T) variant $v"

@@ -29,7 +29,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton")
 LOSS_IMPLS = ("auto", "torch", "liger")      # = longctx.ops.fused_loss.LOSS_IMPLS (kept here: no torch import)
 RESIDUAL_IMPLS = ("auto", "torch", "liger")  # = longctx.layers.residual.RESIDUAL_IMPLS
-INDEXER_KERNELS = ("fused", "two_phase", "two_phase_radix")  # = longctx.layers.kpool_indexer.INDEXER_KERNELS
+INDEXER_KERNELS = ("fused", "two_phase", "two_phase_radix", "two_phase_grouped")  # = kpool_indexer.INDEXER_KERNELS
 KDA_CONVS = ("auto", "torch", "fla")  # = longctx.layers.kda.CONV_IMPLS
 KDA_NORMS = ("auto", "torch", "fla")  # = longctx.layers.kda.NORM_IMPLS
 NORM_IMPLS = ("auto", "torch", "triton")  # = longctx.layers.norms.RMS_NORM_IMPLS
@@ -100,7 +100,7 @@ class TrainConfig:
     `residual_impl` the mHC residual (torch, or liger-kernel's Triton mHC ops; see
     longctx.ops.mhc_liger); `indexer_kernel` the indexers' Triton path (two_phase: a score buffer and a
     k-th select, the default; fused: one radix-select kernel; two_phase_radix: our own k-th select,
-    no faster than torch.topk on the H200); `kda_conv` KDA's short conv (auto = fla's causal_conv1d
+    no faster than torch.topk on the H200; two_phase_grouped: the k-th by topk over group maxima, not yet timed); `kda_conv` KDA's short conv (auto = fla's causal_conv1d
     wherever KDA runs fla's kernel, a decoding or sequence-chunk state's window included); `kda_norm`
     KDA's gated output norm (auto = fla's fused kernel wherever KDA runs fla's kernel, as the conv);
     `norm_impl` every RMSNorm (auto, the default, = triton on CUDA: longctx.ops.rms_norm_triton, same
@@ -127,7 +127,7 @@ class TrainConfig:
     backend: str = "auto"   # auto = triton/fla kernels on CUDA, plain torch on the CPU
     loss_impl: str = "auto"      # auto | torch | liger; auto = liger on CUDA when it imports, torch otherwise
     residual_impl: str = "auto"  # auto | torch | liger (mHC only); auto = liger on CUDA when it imports, torch otherwise
-    indexer_kernel: str = "two_phase"  # fused | two_phase | two_phase_radix: the indexers' Triton path (GPU only)
+    indexer_kernel: str = "two_phase"  # fused | two_phase | two_phase_radix | two_phase_grouped: the indexers' Triton path (GPU only)
     kda_conv: str = "auto"  # auto | torch | fla: KDA's short conv; auto = fla's where KDA runs fla's kernel
     kda_norm: str = "auto"  # auto | torch | fla: KDA's gated output norm; auto = fla's where KDA runs fla's kernel
     norm_impl: str = "auto"  # auto | torch | triton: the RMSNorms; auto = the fused Triton kernels on CUDA

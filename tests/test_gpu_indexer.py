@@ -115,6 +115,8 @@ def test_two_phase_exact_inputs_match_twin(B, S, H, D, P, K, q_offset, dtype):
     assert int((out != ref).any(-1).sum()) == 0
     radix = kpool_topk_two_phase(q, w, pk, P, K, chunk=1000, q_offset=q_offset, kth="radix")
     assert int((radix != ref).any(-1).sum()) == 0
+    grouped = kpool_topk_two_phase(q, w, pk, P, K, chunk=1000, q_offset=q_offset, kth="grouped")
+    assert int((grouped != ref).any(-1).sum()) == 0
 
 
 def test_two_phase_random_inputs_match_fused_and_twin():
@@ -127,6 +129,7 @@ def test_two_phase_random_inputs_match_fused_and_twin():
     q, w, pk = problem(1, S, 16, 64, S // P, exact=False, seed=5)
     two = kpool_topk_two_phase(q, w, pk, P, K, chunk=1024)
     assert torch.equal(kpool_topk_two_phase(q, w, pk, P, K, chunk=1024, kth="radix"), two)  # the same k-th scores
+    assert torch.equal(kpool_topk_two_phase(q, w, pk, P, K, chunk=1024, kth="grouped"), two)
     fused = kpool_topk_triton(q, w, pk, P, K)
     ref = kpool_topk_torch(q, w, pk, P, K, chunk=512)
     assert int((two != fused).any(-1).sum()) <= S // 1000
@@ -256,7 +259,7 @@ def test_layer_two_phase_kernel_matches_torch():
     assert n_rows <= max(2, B * S // 1000) and gap < 1e-5, (n_rows, gap)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "two_phase", "two_phase_radix"])
+@pytest.mark.parametrize("kernel", ["fused", "two_phase", "two_phase_radix", "two_phase_grouped"])
 @torch.no_grad()
 def test_layer_triton_backend_decoding(kernel):
     """With an IndexerCache: a 6001-token prefill, then 1-, 7- and 1-token steps (query offsets

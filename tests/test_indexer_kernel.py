@@ -181,8 +181,10 @@ def _run_cases() -> None:
         two = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2))
         two_t = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2), select="torch")
         two_r = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2), kth="radix")
+        two_g = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2), kth="grouped")
         res = {"name": name, "equal": bool(torch.equal(out, twin)), "dtype": str(out.dtype),
-               "two_phase_equal": bool(torch.equal(two, twin) and torch.equal(two_t, twin) and torch.equal(two_r, twin)),
+               "two_phase_equal": bool(torch.equal(two, twin) and torch.equal(two_t, twin) and torch.equal(two_r, twin)
+                                       and torch.equal(two_g, twin)),
                "two_phase_dtype": str(two.dtype),
                "n_bad_rows": int((out != twin).any(-1).sum()), "passes_max": int(LAST_LAUNCH["passes"].max()),
                "deferred": int(LAST_LAUNCH["deferred"].sum())}
@@ -219,7 +221,10 @@ def _run_cases() -> None:
                  for k in (1, 7, 64, 200))
     sel_radix = all(torch.equal(select_from_scores_triton(sc, k, block_n=32, kth="radix"), select_from_scores(sc, valid, k))
                     for k in (1, 7, 64, 200))
-    print("RESULT " + json.dumps({"name": "emit_kernel", "equal": bool(sel_ok), "radix_equal": bool(sel_radix)}), flush=True)
+    sel_grouped = all(torch.equal(select_from_scores_triton(sc, k, block_n=32, kth="grouped"), select_from_scores(sc, valid, k))
+                      for k in (1, 7, 64, 200))
+    print("RESULT " + json.dumps({"name": "emit_kernel", "equal": bool(sel_ok), "radix_equal": bool(sel_radix),
+                                  "grouped_equal": bool(sel_grouped)}), flush=True)
 
     # the radix k-th kernel alone against torch.topk's k-th value, both digit widths: ties, -inf rows
     # (none, some, all selectable), signed zeros, subnormal and huge magnitudes, k past the row
@@ -289,7 +294,28 @@ def test_emit_kernel_matches_select_from_scores(interp_results):
     with the k-th score from torch.topk and from the radix kernel."""
     pytest.importorskip("triton")
     r = interp_results["emit_kernel"]
-    assert r["equal"] and r["radix_equal"], r
+    assert r["equal"] and r["radix_equal"] and r["grouped_equal"], r
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_grouped_kth_equals_topk_kth(seed):
+    """kth_scores_grouped (top-k over group maxima, then over the chosen groups) gives torch.topk's k-th
+    value exactly: small-integer rows (ties everywhere), rows with -inf anywhere (none, few or all
+    selectable), ragged lengths (a short last group), k from 1 past the row, every group width."""
+    from longctx.ops.indexer.two_phase import kth_group_size, kth_scores_grouped
+
+    g = torch.Generator().manual_seed(seed)
+    for n in (1, 7, 64, 257, 1000):
+        rows = torch.randint(-3, 4, (2, 9, n), generator=g).float()
+        rows[0, 1:4] += torch.randn(3, n, generator=g)  # distinct values too
+        keep = torch.rand(2, 9, n, generator=g) < torch.linspace(0, 1, 9)[None, :, None]
+        rows = torch.where(keep, rows, float("-inf"))
+        for k in (1, 2, 5, 37, n, n + 3):
+            ref = rows.topk(min(k, n), dim=-1, sorted=False).values.amin(-1)
+            for G in (None, 1, 2, 3, 8, 64):
+                got = kth_scores_grouped(rows, k, group=G)
+                assert torch.equal(got, ref), (n, k, G, got, ref)
+    assert kth_group_size(16384, 512) in (4, 8) and kth_group_size(131072, 512) == 16 and kth_group_size(1000, 512) == 1
 
 
 def test_radix_kth_matches_topk(interp_results):

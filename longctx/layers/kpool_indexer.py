@@ -20,7 +20,9 @@ TRITON_INTERPRET=1 is a ConfigError, never a silent fallback. `last_impl` names 
 `kernel` picks the Triton path (INDEXER_KERNELS): "two_phase" (the default; `ops/indexer/two_phase.py`, a
 score kernel into an O(T x pools) fp32 buffer per 1024 queries + topk + an emit kernel: the fused
 kernel's picks at 3.2x its speed at 128k, bench/NOTES.md), "fused" (one radix-select kernel), or
-"two_phase_radix" (our own k-th select in place of topk; as fast as topk on the H200, 44.2 vs 44.8 ms at 128k).
+"two_phase_radix" (our own k-th select in place of topk; as fast as topk on the H200, 44.2 vs 44.8 ms at 128k),
+or "two_phase_grouped" (the exact k-th score from topk over group maxima, then over the chosen groups:
+`two_phase.kth_scores_grouped`; not yet timed on the H200).
 
 Both backends select the same pools, except where scores tie at a query's k-th score:
 - torch: ties are resolved by torch.topk itself, fed the same fp32 row the reference builds: one
@@ -53,8 +55,10 @@ from ..ops import indexer as indexer_ops
 _DEFAULT = object()
 BACKENDS = ("auto", "torch", "triton")
 # the Triton path: radix select in one kernel, or a score buffer + each row's k-th score by torch.topk or
-# by our radix kernel (two_phase_radix: no faster than topk on the H200)
-INDEXER_KERNELS = ("fused", "two_phase", "two_phase_radix")
+# by our radix kernel (two_phase_radix: no faster than topk on the H200) or by topk over group maxima
+# (two_phase_grouped: not yet timed)
+INDEXER_KERNELS = ("fused", "two_phase", "two_phase_radix", "two_phase_grouped")
+_KTH = {"two_phase": "topk", "two_phase_radix": "radix", "two_phase_grouped": "grouped"}
 _EXPAND_ROWS = 8192  # queries per block when the kernel's pool ids are expanded into token indices
 
 
@@ -235,9 +239,9 @@ class KPoolIndexer(nn.Module):
         B, T = x.shape[:2]
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
-        if self.kernel in ("two_phase", "two_phase_radix"):
+        if self.kernel in _KTH:
             return indexer_ops.kpool_topk_two_phase(q, w, pk.to(q.dtype), self.pool, k_sel, q_offset=p0,
-                                                    kth="radix" if self.kernel == "two_phase_radix" else "topk")
+                                                    kth=_KTH[self.kernel])
         return indexer_ops.select_pools(q, w, pk.to(q.dtype), self.pool, k_sel, backend="triton", chunk=None,
                                         q_offset=p0)
 
