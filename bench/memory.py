@@ -880,7 +880,7 @@ def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
 STATUS_TEXT = {"same_as_all_on": "= all_on", "skipped_after_oom": "skipped (oom before)", "cuda_error": "CUDA error"}
 
 
-def report_text(res: dict, estimates: dict, cfg) -> str:
+def report_text(res: dict, estimates: dict, cfg, offload_estimates: dict | None = None) -> str:
     """OUT/memory_table.md: the runs table, what was left out, the notes, baseline and host memory."""
     files = res["merged_from"]
     call = {f: _call_number(f) or str(i + 1) for i, f in enumerate(files)}
@@ -992,7 +992,10 @@ def report_text(res: dict, estimates: dict, cfg) -> str:
             r = o.get(name) or {}
             if not r:
                 continue
-            out.append(f"- {name}: {r.get('status')}, peak {_f(r.get('peak_allocated_gib'))} GiB, "
+            e = (offload_estimates or {}).get(name)
+            est_txt = (f" (estimate {e['gpu']:.2f}, {_err(e['gpu'], r.get('peak_allocated_gib'))}; host: RSS "
+                       f"{_f(r.get('host_rss_gib'))} GiB, estimate {e['host']:.2f} for the offloaded tensors)") if e else ""
+            out.append(f"- {name}: {r.get('status')}, peak {_f(r.get('peak_allocated_gib'))} GiB{est_txt}, "
                        f"step {_f(r.get('step_s'))} s")
         if o.get("pageable_over_pinned_step"):
             out.append(f"- pageable / pinned step time: {o['pageable_over_pinned_step']:.2f}x")
@@ -1032,6 +1035,23 @@ def run_estimate_args(r: dict) -> tuple[MemoryPlan, dict]:
                                      "plain_ops": plain}
 
 
+def offload_estimates(section: dict | None, cfg) -> dict:
+    """The current estimator's GPU and host GiB for each mode of an offload comparison (every block offloaded
+    under block recompute, the whole sequence; `Bench.offload_pinned_vs_pageable`), by mode name."""
+    if not section:
+        return {}
+    out = {}
+    for name, mode in Bench.OFFLOAD_MODES.items():
+        if not isinstance(section.get(name), dict):
+            continue
+        pin, keep = mode or (True, True)
+        plan = MemoryPlan.from_dict({"recompute": "on", "seq_chunk": "off", "pin_memory": pin, "keep_pinned": keep,
+                                     "offload": "off" if mode is None else str(section["offload_blocks"])})
+        e = est.estimate(cfg, section["seq_len"], plan, 1, "h200", 2)
+        out[name] = {"gpu": e["gpu_bytes"] / GIB, "host": e["host_bytes"] / GIB}
+    return out
+
+
 def report(files, out: Path) -> int:
     """--report: merge `files`, write OUT/memory.json, memory.png, memory_table.md; print the table."""
     missing = [f for f in files if not Path(f).is_file()]
@@ -1047,7 +1067,7 @@ def report(files, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "memory.json").write_text(json.dumps(res, indent=1) + "\n")
     figure(res, out / "memory.png", estimates)
-    text = report_text(res, estimates, cfg)
+    text = report_text(res, estimates, cfg, offload_estimates(res.get("offload_pinned_vs_pageable"), cfg))
     (out / "memory_table.md").write_text(text)
     print(text, end="")
     return 0

@@ -620,6 +620,40 @@ def test_estimate_kept_matches_the_meter_under_recompute():
     assert list(e2["kept_host"].values()) == list(e["kept_gpu"].values())[:2]
 
 
+def test_estimate_counts_what_the_offloader_moves_and_brings_back():
+    """With every block offloaded, the estimate's host column per block is what the offloader moved for it
+    (input, selection, kept attention output and lse), and an offloaded block's backward holds its own saved
+    tensors back on the device plus the previous block's, prefetched: the H200 at 256k (call 51) measured
+    the D blocks' backward 9 GiB over an estimate that counted one block input for both."""
+    cfg = _cfg(layer_pattern="KKDD", indexer_pattern="ffff")
+    plan = MemoryPlan.from_dict({"recompute": "on", "offload": str(cfg.num_layers), "reuse_attention": True,
+                                 "pin_memory": False})
+    model = _model(cfg)
+    ids, labels = _batch(cfg, b=1)
+    apply_plan(model, plan)
+    policy = RecomputePolicy(recompute=True, offload_layers=cfg.num_layers, reuse_selection=True, pin_memory=False,
+                             force_offload=True, reuse_attention=True)
+    policy.offloader.min_bytes = 0
+    model.block_fn = policy
+    out = model(ids, labels=labels, return_logits=False)
+    off = policy.offloader
+    moved = {g: sum(h.nbytes for h in off.groups[g]) for g in off.group_order}
+    e = estimate(cfg, S, plan, act_bytes=4)
+    assert list(e["kept_host"].values()) == [moved[i] for i in range(cfg.num_layers)]
+    assert moved[3] > moved[1] > 0  # a DSA block also sends its selection, attention output and lse
+    # pageable buffers are exact, pinned ones a power of two each
+    assert e["host_bytes"] == sum(moved.values())
+    pinned = estimate(cfg, S, dataclasses.replace(plan, pin_memory=True), act_bytes=4)["host_bytes"]
+    assert pinned == sum(1 << (h.nbytes - 1).bit_length() for g in off.group_order for h in off.groups[g])
+    out.loss.backward()
+    policy.end_step()
+    # the peak phase is a block's backward; its working set names both of those terms
+    assert e["peak_phase"].startswith("the backward of layer "), e["peak_phase"]
+    i = int(e["peak_phase"].split("layer ")[1].split()[0])
+    assert e["working"]["offloaded block's saved tensors (back on the GPU)"] == moved[i]
+    assert e["working"].get("prefetched offload block", 0) == (moved[i - 1] if i > 0 else 0)
+
+
 def test_estimate_monotone_and_baseline_far_below_full_plan():
     cfg = preset("h200-ref")
     lens = [2**k for k in range(12, 22)]

@@ -220,6 +220,14 @@ def _indexer_kl_kept(cfg: ModelConfig, S: int, a: int) -> int:
     return S * (per + 2 * cfg.index_head_dim * 4)
 
 
+def _host_buffer_bytes(nbytes: int, pinned: bool) -> int:
+    """Host bytes one offloaded tensor takes: torch's pinned (caching host) allocator rounds every block up
+    to a power of two, so a 3 GiB block input takes 4 GiB and a 2.004 GiB selection 4 (the H200 at 256k,
+    all 12 blocks offloaded: RSS 74.1 GiB where the saved tensors are 54 GiB, call 50); pageable buffers
+    are exact."""
+    return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
+
+
 def _kept_selections(cfg: ModelConfig, plan: MemoryPlan) -> list[bool]:
     """Per layer: does recompute keep an int32 selection there? A full ('f') DSA layer keeps its own
     with `reuse_selection`; without it, the first shared ('s') layer after it keeps it as input."""
@@ -348,15 +356,22 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     kl = _indexer_kl_kept(cfg, S_local, a)
     # reuse_attention: a DSA block under recompute keeps its attention output and fp32 lse (which its
     # recompute then reuses rather than re-creating: not counted twice in its backward)
-    attn_kept = [S_local * cfg.attn_heads * (cfg.kv_lora_rank * a + 4) if recompute and plan.reuse_attention and k == "D"
-                 else 0 for k in kinds]
-    kept = []
+    keeps_attn = [recompute and plan.reuse_attention and k == "D" for k in kinds]
+    attn_parts = [S_local * cfg.attn_heads * cfg.kv_lora_rank * a, S_local * cfg.attn_heads * 4]  # output, fp32 lse
+    attn_kept = [sum(attn_parts) if keep else 0 for keep in keeps_attn]
+    kept, saved, host = [], [], 0  # per block: what stays on the GPU to backward; what it saves, wherever
     for i, (k, blk) in enumerate(zip(kinds, per_block)):
-        b = state + (sel if keeps_sel[i] else 0) + attn_kept[i] if recompute else state + sum(blk.values())
-        if k == "D" and cfg.indexer_kinds()[i] == "f":
-            b += kl
+        parts = [state] + ([sel] if recompute and keeps_sel[i] else []) + (attn_parts if keeps_attn[i] else [])
+        if not recompute:
+            parts.append(sum(blk.values()))
+        if k == "D" and cfg.indexer_kinds()[i] == "f" and kl:
+            parts.append(kl)
+        b = sum(parts)
         (kept_host if i < n_off else kept_gpu)[f"layer {i} ({k})"] = b
         kept.append(0 if i < n_off else b)
+        saved.append(b)
+        if i < n_off:
+            host += sum(_host_buffer_bytes(x, plan.pin_memory) for x in parts)
     idx_ws = _indexer_workspace(cfg, S_local, plan, _fused_indexer(gpu, plan)) if "D" in kinds else 0
     moe_ws = _moe_workspace(cfg, S_local, plan) if "m" in mlps else 0
     mhc_ws = _mhc_stream_workspace(cfg, S_local, plan, gpu, residual_impl)
@@ -385,7 +400,12 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
                 "MoE workspace": moe_i if moe_i >= mhc_ws else 0,
                 "mHC stream-op workspace (backward)": mhc_ws if mhc_ws > moe_i else 0,
                 "indexer workspace": idx_ws if kinds[i] == "D" and recompute and not keeps_sel[i] else 0,
-                "prefetched offload block": state if i < n_off else 0,
+                # an offloaded block's backward holds what it saved, copied back (its input, selection and
+                # kept attention output), and what the block before it saved, prefetched while it recomputes
+                # (`Offloader.unpack`); the H200 measured both (call 51: the D blocks' backward and the K
+                # blocks' after them were 9 GiB over an estimate that counted one block input instead)
+                "offloaded block's saved tensors (back on the GPU)": saved[i] if i < n_off else 0,
+                "prefetched offload block": saved[i - 1] if 0 < i < n_off else 0,
                 "DSA latent rows to the chunk's end": _dsa_prefix if kinds[i] == "D" else 0}
         phases.append((f"the backward of layer {i} ({kinds[i]})", grads, bf16 if in_chunks else 0, i + 1, work))
     best, by_phase = None, {}
@@ -398,7 +418,6 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     static = dict(base, **{"gradients alive at the peak (fp32)": int(g), "bf16 weight copies": w16})
     released = {f"kept by layers {n_kept}..{L - 1}, freed by then": -sum(kept[n_kept:])} if n_kept < L else {}
     total_gpu = total
-    host = sum(kept_host.values()) + (state if n_off else 0)
     cap = GPUS[gpu]
     return {"seq_len": S, "cp": cp, "gpu": gpu, "plan": plan.to_dict(), "params": n_params, "peak_phase": phase,
             "phases_gpu_bytes": by_phase,
