@@ -100,7 +100,7 @@ class TrainConfig:
     `residual_impl` the mHC residual (torch, or liger-kernel's Triton mHC ops; see
     longctx.ops.mhc_liger); `indexer_kernel` the indexers' Triton path (two_phase: a score buffer and a
     k-th select, the default; fused: one radix-select kernel; two_phase_radix: our own k-th select,
-    no faster than torch.topk on the H200; two_phase_grouped: the k-th by topk over group maxima, not yet timed); `kda_conv` KDA's short conv (auto = fla's causal_conv1d
+    no faster than torch.topk on the H200; two_phase_grouped: the k-th by topk over group maxima, exact and slower on the H200); `kda_conv` KDA's short conv (auto = fla's causal_conv1d
     wherever KDA runs fla's kernel, a decoding or sequence-chunk state's window included); `kda_norm`
     KDA's gated output norm (auto = fla's fused kernel wherever KDA runs fla's kernel, as the conv);
     `norm_impl` every RMSNorm (auto, the default, = triton on CUDA: longctx.ops.rms_norm_triton, same

@@ -22,7 +22,7 @@ score kernel into an O(T x pools) fp32 buffer per 1024 queries + topk + an emit 
 kernel's picks at 3.2x its speed at 128k, bench/NOTES.md), "fused" (one radix-select kernel), or
 "two_phase_radix" (our own k-th select in place of topk; as fast as topk on the H200, 44.2 vs 44.8 ms at 128k),
 or "two_phase_grouped" (the exact k-th score from topk over group maxima, then over the chosen groups:
-`two_phase.kth_scores_grouped`; not yet timed on the H200).
+`two_phase.kth_scores_grouped`; exact on the H200 but slower: 107 vs 95 ms at 128k, 16.8 vs 9.1 at 32k, call 49).
 
 Both backends select the same pools, except where scores tie at a query's k-th score:
 - torch: ties are resolved by torch.topk itself, fed the same fp32 row the reference builds: one
@@ -56,7 +56,7 @@ _DEFAULT = object()
 BACKENDS = ("auto", "torch", "triton")
 # the Triton path: radix select in one kernel, or a score buffer + each row's k-th score by torch.topk or
 # by our radix kernel (two_phase_radix: no faster than topk on the H200) or by topk over group maxima
-# (two_phase_grouped: not yet timed)
+# (two_phase_grouped: exact, slower than topk on the H200)
 INDEXER_KERNELS = ("fused", "two_phase", "two_phase_radix", "two_phase_grouped")
 _KTH = {"two_phase": "topk", "two_phase_radix": "radix", "two_phase_grouped": "grouped"}
 _EXPAND_ROWS = 8192  # queries per block when the kernel's pool ids are expanded into token indices
