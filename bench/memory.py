@@ -265,7 +265,9 @@ def host_rss_gib() -> float:
 
 
 def pinned_host_gib() -> dict | None:
-    """The pinned host allocator's blocks: owned (active + cached) and active, GiB."""
+    """torch's pinned host allocator's blocks: owned (active + cached) and active, GiB. The offloader's and the
+    chunked step's buffers are page-locked outside it (longctx/memory/host_buffers.py) since call 52: their
+    bytes are the runs' kept_pinned_gib and show in the RSS."""
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if stats is None or not torch.cuda.is_available():
         return None
@@ -403,7 +405,7 @@ class Bench:
             if isinstance(m, MoE):
                 m._reset_pending()
                 m.router_state = None
-        if policy is not None:  # close() ends the step too and returns kept buffers; the chunker only ends it
+        if policy is not None:  # close() ends the step too and gives back kept host buffers
             (policy.close if hasattr(policy, "close") else policy.end_step)()
         self.model.block_fn = None
         self.dev.free(collect=True)
@@ -997,6 +999,10 @@ def report_text(res: dict, estimates: dict, cfg, offload_estimates: dict | None 
                        f"{_f(r.get('host_rss_gib'))} GiB, estimate {e['host']:.2f} for the offloaded tensors)") if e else ""
             out.append(f"- {name}: {r.get('status')}, peak {_f(r.get('peak_allocated_gib'))} GiB{est_txt}, "
                        f"step {_f(r.get('step_s'))} s")
+        n = _call_number(o.get("source") or "")
+        if n and int(n.rstrip("abcdefghijklmnopqrstuvwxyz")) < 52:
+            out.append("- host: this call's pinned buffers came from torch's pinned allocator, a power of two each; "
+                       "the estimate counts exact sizes, what the offloader page-locks since call 52 (bench/host_buffers.py)")
         if o.get("pageable_over_pinned_step"):
             out.append(f"- pageable / pinned step time: {o['pageable_over_pinned_step']:.2f}x")
         none = o.get("no_offload") or {}

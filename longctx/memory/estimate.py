@@ -220,14 +220,6 @@ def _indexer_kl_kept(cfg: ModelConfig, S: int, a: int) -> int:
     return S * (per + 2 * cfg.index_head_dim * 4)
 
 
-def _host_buffer_bytes(nbytes: int, pinned: bool) -> int:
-    """Host bytes one offloaded tensor takes: torch's pinned (caching host) allocator rounds every block up
-    to a power of two, so a 3 GiB block input takes 4 GiB and a 2.004 GiB selection 4 (the H200 at 256k,
-    all 12 blocks offloaded: RSS 74.1 GiB where the saved tensors are 54 GiB, call 50); pageable buffers
-    are exact."""
-    return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
-
-
 def _kept_selections(cfg: ModelConfig, plan: MemoryPlan) -> list[bool]:
     """Per layer: does recompute keep an int32 selection there? A full ('f') DSA layer keeps its own
     with `reuse_selection`; without it, the first shared ('s') layer after it keeps it as input."""
@@ -371,7 +363,9 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
         kept.append(0 if i < n_off else b)
         saved.append(b)
         if i < n_off:
-            host += sum(_host_buffer_bytes(x, plan.pin_memory) for x in parts)
+            # at their exact size: the offloader page-locks its own buffers (memory/host_buffers.py), where torch's
+            # pinned allocator would round each to a power of two (72 GiB for these 54 at 256k, H200 call 50)
+            host += sum(parts)
     idx_ws = _indexer_workspace(cfg, S_local, plan, _fused_indexer(gpu, plan)) if "D" in kinds else 0
     moe_ws = _moe_workspace(cfg, S_local, plan) if "m" in mlps else 0
     mhc_ws = _mhc_stream_workspace(cfg, S_local, plan, gpu, residual_impl)

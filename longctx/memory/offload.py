@@ -15,8 +15,10 @@ Pinned buffers: by default the offloader keeps one step's buffers and the next s
 ones again: host memory is flat (the same buffers every step; those a step did not take go back) and
 nothing is page-locked twice; `close()` returns them. With `keep_pinned` off (seed 000's fix) every
 step's pinned blocks go back to the OS at its end, so host memory cannot grow either, but each step
-page-locks its buffers afresh (cudaHostAlloc of GiBs takes seconds, on the thread that launches the
-forward): on the H200 at 256k, 51.2 s a step against 18.3 s kept and 18.3 s without offload.
+page-locks its buffers afresh (page-locking GiBs takes seconds, on the thread that launches the
+forward): on the H200 at 256k, 51.2 s a step against 18.3 s kept and 18.3 s without offload. Each
+buffer is page-locked at its exact size (`host_buffers.py`; torch's pinned allocator rounds to powers
+of two: 72 GiB of host memory for 54 GiB of tensors at 256k, H200 call 50).
 
 On a CPU-only machine there is nothing to offload to; the hooks then keep tensors as they are
 (the logic is still exercised by tests through `force=True` with plain host buffers).
@@ -27,6 +29,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+
+from .host_buffers import as_view, host_buffer, release
 
 
 class _Handle:
@@ -110,16 +114,14 @@ class Offloader:
 
     def _host_buffer(self, t: torch.Tensor, nbytes: int) -> torch.Tensor:
         pin = self.pin_memory and t.is_cuda  # pinning serves GPU copies only (CPU tensors: tests)
-        if not self.keep_pinned:
-            return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-        free = self._pool.get(nbytes)
+        free = self._pool.get(nbytes) if self.keep_pinned else None
         if free:
             raw = free.pop()
         else:
-            raw = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+            raw = host_buffer(nbytes, pin)  # page-locked at its exact size (host_buffers.py)
             self.kept_bytes += nbytes
         self._taken.append(raw)
-        return raw.view(t.dtype).view(t.shape)
+        return as_view(raw, t.shape, t.dtype)
 
     def _fetch(self, h: _Handle):
         if h.device.type != "cuda":
@@ -166,18 +168,24 @@ class Offloader:
         self._live_host = 0
         if self.stream is not None and torch.cuda.is_available():
             self.stream.synchronize()  # no copy still reads or writes a buffer given back below
-        unused = sum(raw.numel() for free in self._pool.values() for raw in free)
-        self._pool.clear()  # buffers this step did not take go back: the pool is never more than one step's
-        for raw in self._taken:
-            self._pool.setdefault(raw.numel(), []).append(raw)
-        self._taken.clear()
-        self.kept_bytes -= unused
-        if not self.keep_pinned or unused:
-            self._empty_host_cache()
+        # buffers this step did not take go back: the pool is never more than one step's
+        gone = [raw for free in self._pool.values() for raw in free] + ([] if self.keep_pinned else self._taken)
+        self._pool.clear()
+        if self.keep_pinned:
+            for raw in self._taken:
+                self._pool.setdefault(raw.numel(), []).append(raw)
+        self._taken = []
+        for raw in gone:
+            release(raw)
+        self.kept_bytes -= sum(raw.numel() for raw in gone)
+        if gone:
+            self._empty_host_cache()  # what came from torch's pinned allocator (host_buffers' fallback)
 
     def close(self):
         """Give every kept buffer back (the policy is being replaced)."""
         self.end_step()
+        for raw in (r for free in self._pool.values() for r in free):
+            release(raw)
         self._pool.clear()
         self.kept_bytes = 0
         self._empty_host_cache()

@@ -53,6 +53,7 @@ from ..errors import ConfigError
 from ..layers.dsa import LatentPrefix, keeping_attention
 from ..layers.kda import KDAState
 from ..layers.moe import MoE, RoutingTape, replaying, routing_tape
+from .host_buffers import as_view, host_buffer, release
 
 
 def check_supported(model) -> None:
@@ -258,15 +259,30 @@ class SequenceChunker:
         the current stream with the later reads, so reuse is safe."""
         if not host:
             return sel
-        buf = self._host.get(key)
-        if buf is None or buf.shape != sel.shape or buf.dtype != sel.dtype:
-            buf = self._host[key] = torch.empty(sel.shape, dtype=sel.dtype, pin_memory=self.pin_memory)
-        buf.copy_(sel, non_blocking=self.pin_memory)
+        nbytes = sel.numel() * sel.element_size()
+        raw = self._host.get(key)
+        if raw is None or raw.numel() != nbytes:
+            if raw is not None:
+                if sel.is_cuda:
+                    torch.cuda.current_stream(sel.device).synchronize()  # no earlier step's copy still uses it
+                release(raw)
+            # page-locked at its exact size: torch's pinned allocator would take 2 GiB for a 1.002 GiB selection
+            raw = self._host[key] = host_buffer(nbytes, self.pin_memory and sel.is_cuda)
+        buf = as_view(raw, sel.shape, sel.dtype)
+        buf.copy_(sel, non_blocking=self.pin_memory and sel.is_cuda)
         return buf
 
     def end_step(self):
         if not self.pin_memory:
             self._host.clear()
+
+    def close(self):
+        """Unregister the kept selection buffers now (the policy is being replaced)."""
+        if self._host and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for raw in self._host.values():
+            release(raw)
+        self._host.clear()
 
     @staticmethod
     def _act_dtype(model, x) -> torch.dtype:

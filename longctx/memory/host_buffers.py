@@ -1,0 +1,75 @@
+"""Page-locked host buffers of exactly the size asked for.
+
+torch's pinned memory (`pin_memory=True`, its caching host allocator) rounds every block up to a power
+of two: a 3 GiB block input takes 4 GiB of page-locked host memory, a 2.004 GiB selection 4, a 1.002 GiB
+one 2. On the H200 at 256k with all 12 blocks of h200-ref offloaded that was 72 GiB of host memory for
+54 GiB of saved tensors (bench/results/memory_runs/50_*), and the 1M chunked step's 24 GiB of selections
+would take 48. Here a buffer is an ordinary (pageable) CPU tensor that CUDA then page-locks in place
+(cudaHostRegister), so it costs what it holds; copies from and to it are as asynchronous as from pinned
+memory. `release` unregisters it (also done when the buffer is garbage collected).
+
+If CUDA refuses to register memory the buffer comes from torch's pinned allocator instead, and the user
+is told once (a warning naming the power-of-two cost), never silently.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+
+_warned = False
+
+
+def _register(ptr: int, nbytes: int) -> int:
+    # flags 0 = cudaHostRegisterDefault: page-locked and mapped for the current context's copies
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def page_locked_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 host tensor of `nbytes` bytes, page-locked at exactly that size (see the module docstring).
+    Falls back, with a warning, to torch's pinned allocator if CUDA will not register the memory."""
+    global _warned
+    raw = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes == 0:
+        return raw
+    ptr = raw.data_ptr()
+    err = _register(ptr, nbytes)
+    if err == 0:
+        # unregister before the memory goes back to the C allocator, whoever drops the last reference
+        raw._page_locked = weakref.finalize(raw, _unregister, ptr)
+        return raw
+    if not _warned:
+        _warned = True
+        warnings.warn(f"cudaHostRegister failed (CUDA error {err}) for a {nbytes / 2**30:.2f} GiB host buffer; "
+                      "offload and selection buffers now come from torch's pinned allocator, which rounds each up "
+                      "to a power of two of host memory (memory.pin_memory=false uses pageable buffers instead).",
+                      stacklevel=2)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """An uninitialised uint8 host tensor of `nbytes`: page-locked at its exact size when `pinned` (and CUDA
+    is available), pageable otherwise. The caller keeps this tensor for as long as the memory is in use
+    (views of it are fine) and may `release` it early."""
+    if pinned and torch.cuda.is_available():
+        return page_locked_empty(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def as_view(raw: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    """`raw`'s bytes as a tensor of `shape` and `dtype` (no copy)."""
+    return raw.view(dtype).view(shape)
+
+
+def release(buf: torch.Tensor) -> None:
+    """Unregister a buffer from `page_locked_empty` now (its memory is freed when the last reference goes).
+    A buffer from the fallback or a pageable one: nothing to do."""
+    fin = getattr(buf, "_page_locked", None)
+    if fin is not None:
+        fin()
