@@ -12,7 +12,6 @@ kind allows). Writes DIR/host_buffers.json. Needs a GPU.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import provenance, write_results  # noqa: E402
+from timing import provenance, timed, write_results  # noqa: E402
 
 from longctx.memory.host_buffers import page_locked_empty, release  # noqa: E402
 
@@ -44,18 +43,9 @@ def _alloc(kind: str, n: int) -> torch.Tensor:
 
 
 def _rate(fn, n: int) -> float:
-    """GB/s of a copy of n bytes: the median of 5, CUDA events around the call (a synchronous copy included)."""
-    fn()
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ms.append(a.elapsed_time(b))
-    return n / (statistics.median(ms) / 1e3) / 1e9
+    """GB/s of a copy of n bytes: the median of 5 after one warm-up (CUDA events around the call, so a
+    synchronous copy is timed whole too)."""
+    return n / (timed(fn, warmup=1, reps=5) / 1e3) / 1e9
 
 
 def measure(n: int) -> dict:
