@@ -42,7 +42,8 @@ def page_locked_empty(nbytes: int) -> torch.Tensor:
     err = _register(ptr, nbytes)
     if err == 0:
         # unregister before the memory goes back to the C allocator, whoever drops the last reference
-        raw._page_locked = weakref.finalize(raw, _unregister, ptr)
+        fin = raw._page_locked = weakref.finalize(raw, _unregister, ptr)
+        fin.atexit = False  # at exit the process's memory goes anyway; no CUDA calls during shutdown
         return raw
     if not _warned:
         _warned = True
