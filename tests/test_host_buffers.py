@@ -24,7 +24,8 @@ def test_registered_buffer_is_exact_and_unregistered_once(monkeypatch):
     n = 3 * 4096 + 12
     raw = hb.page_locked_empty(n)
     assert raw.numel() == n and raw.dtype == torch.uint8
-    assert calls["register"] == [(raw.data_ptr(), n)]
+    # whole pages of its own, page-aligned, so that no other buffer's registration shares one
+    assert calls["register"] == [(raw.data_ptr(), 4 * 4096)] and raw.data_ptr() % 4096 == 0
     ptr = raw.data_ptr()
     hb.release(raw)
     hb.release(raw)

@@ -20,6 +20,7 @@ import weakref
 import torch
 
 _warned = False
+PAGE = 4096  # the host page size CUDA locks in (x86-64 Linux)
 
 
 def _register(ptr: int, nbytes: int) -> int:
@@ -35,11 +36,16 @@ def page_locked_empty(nbytes: int) -> torch.Tensor:
     """A uint8 host tensor of `nbytes` bytes, page-locked at exactly that size (see the module docstring).
     Falls back, with a warning, to torch's pinned allocator if CUDA will not register the memory."""
     global _warned
-    raw = torch.empty(nbytes, dtype=torch.uint8)
     if nbytes == 0:
-        return raw
+        return torch.empty(0, dtype=torch.uint8)
+    # whole pages of our own: CUDA locks pages, and a page shared with another registered buffer (small
+    # allocations share heap pages) would refuse the second registration
+    pages = -(-nbytes // PAGE)
+    base = torch.empty((pages + 1) * PAGE, dtype=torch.uint8)
+    start = -base.data_ptr() % PAGE
+    raw = base[start:start + nbytes]
     ptr = raw.data_ptr()
-    err = _register(ptr, nbytes)
+    err = _register(ptr, pages * PAGE)
     if err == 0:
         # unregister before the memory goes back to the C allocator, whoever drops the last reference
         fin = raw._page_locked = weakref.finalize(raw, _unregister, ptr)
