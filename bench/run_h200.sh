@@ -5,7 +5,7 @@
 #   bash bench/run_h200.sh memory    # 8k warm-up, the 1M step, a profiled 128k step, the 8k..128k ablation
 #   bash bench/run_h200.sh step1m    # 8k warm-up, the 1M step, a profiled 128k step, baseline max, host memory
 #   NO_PACK=1 bash bench/run_h200.sh extras  # offload cost + pinned vs pageable, liger mHC, 128k/256k switches
-#   bash bench/run_h200.sh tests offload     # parts run in order in one call: tests, e2e, sparse, kda, mhc, indexer, variants, offload, liger, peak, host, switches
+#   bash bench/run_h200.sh tests offload     # parts run in order in one call: tests, e2e, sparse, kda, mhc, indexer, variants, hostbuf, offload, liger, peak, host, switches
 # The files each call brings back go to bench/results/memory_runs/ (numbered in call order), then
 #   python bench/memory.py --report bench/results/memory_runs/*.json --out bench/results
 # Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh); results go to $OUT.
@@ -40,7 +40,7 @@ tests)
   # the GPU test files (all but the 128k end-to-end check, or those named in GPU_TESTS, in that order),
   # (GPU_TESTS_K: a pytest -k expression), each under its own timeout (TEST_S, 200 s; 420 for the chunked step) so that one slow file does not hide the others, logged whole (a tail
   # through the tool's 12k-character window loses the failures), with each test's duration
-  for f in ${GPU_TESTS:-fused_loss indexer kda mhc mhc_project norms swiglu sequence_chunks sparse_attention test_logic int32}; do
+  for f in ${GPU_TESTS:-fused_loss indexer kda mhc mhc_project norms swiglu sequence_chunks sparse_attention test_logic int32 host_buffers}; do
     echo "=== tests/test_gpu_$f.py" >> "$OUT/gpu_tests.log"
     # the chunked-step test compiles fla's fp32 kernels for its shapes: > 225 s on a machine started for it (calls 33, 37)
     t=${TEST_S:-200}; [ "$f" = sequence_chunks ] && [ -z "${TEST_S:-}" ] && t=420
@@ -84,6 +84,10 @@ kda)
 mhc)
   # mHC: MHC_ARGS for bench/mhc.py (default --project: the coefficient projection, liger's kernels vs ours)
   timeout $(left) python bench/mhc.py --out "$OUT" ${MHC_ARGS:---project} > "$OUT/mhc.log" 2>&1; tail -5 "$OUT/mhc.log"
+  ;;
+hostbuf)
+  # host buffers for offload: torch's pinned allocator vs exact-size registered vs pageable (call 52)
+  timeout $(left 120) python bench/host_buffers.py --out "$OUT" > "$OUT/host_buffers.log" 2>&1; tail -7 "$OUT/host_buffers.log"
   ;;
 memory)
   # warm-up at 8k (compiles, optimizer state), one 1M step in steady state, a profiled 128k step,
@@ -138,6 +142,6 @@ switches)
       --configs ${SWITCH_CONFIGS:-all_on,mhc_chunk_off,chunked_indexer_off,reuse_selection_off,router_release_off,mhc_cast_recompute_off,moe_bf16_combine_off,loss_chunk_off} \
       ${SWITCH_ARGS:-} > "$OUT/memory_extras.log" 2>&1; tail -16 "$OUT/memory_extras.log"
   ;;
-*) echo "usage: bench/run_h200.sh PART... with PART in tests e2e sparse kda mhc indexer variants kernels memory step1m offload liger peak host switches extras"; exit 2 ;;
+*) echo "usage: bench/run_h200.sh PART... with PART in tests e2e sparse kda mhc indexer variants kernels hostbuf memory step1m offload liger peak host switches extras"; exit 2 ;;
 esac
 done
