@@ -22,14 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import provenance, timed, write_results  # noqa: E402
 
-from longctx.memory.host_buffers import page_locked_empty, release  # noqa: E402
+from longctx.memory.host_buffers import host_rss_bytes, page_locked_empty, release  # noqa: E402
 
 GIB = 2**30
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 def _alloc(kind: str, n: int) -> torch.Tensor:
@@ -53,9 +48,9 @@ def measure(n: int) -> dict:
     out = {"bytes": n}
     for kind in ("torch_pinned", "registered", "pageable"):
         torch.cuda.synchronize()
-        r0, t0 = _rss(), time.perf_counter()
+        r0, t0 = host_rss_bytes(), time.perf_counter()
         buf = _alloc(kind, n)
-        alloc_s, host = time.perf_counter() - t0, _rss() - r0
+        alloc_s, host = time.perf_counter() - t0, host_rss_bytes() - r0
         nb = kind != "pageable"
         d2h = _rate(lambda: buf.copy_(x, non_blocking=nb), n)
         h2d = _rate(lambda: x.copy_(buf, non_blocking=nb), n)

@@ -75,6 +75,7 @@ from longctx.errors import ConfigError
 from longctx.layers.moe import MoE
 from longctx.memory import allocator
 from longctx.memory import estimate as est
+from longctx.memory.host_buffers import host_rss_bytes
 from longctx.memory import peak as peak_mod
 from longctx.memory.meter import LiveBytes
 from longctx.memory.plan import MemoryPlan, apply_plan
@@ -252,16 +253,7 @@ class Device:
 
 
 def host_rss_gib() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024 / GIB
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+    return host_rss_bytes() / GIB
 
 
 def pinned_host_gib() -> dict | None:
@@ -633,7 +625,8 @@ class Bench:
         if self.args.resume and "offload_pinned_vs_pageable" in self.res:
             return
         base = dataclasses.replace(self.all_on(S), recompute="on", offload=str(self.cfg.num_layers))
-        out = {"seq_len": S, "offload_blocks": self.cfg.num_layers}
+        # which host buffers the offloader used: files before call 52 lack the key (torch's pinned allocator)
+        out = {"seq_len": S, "offload_blocks": self.cfg.num_layers, "host_buffers": "exact-size page-locked"}
         self.res["offload_pinned_vs_pageable"] = out
         for name in modes:
             if self.OFFLOAD_MODES[name] is None:
@@ -999,8 +992,7 @@ def report_text(res: dict, estimates: dict, cfg, offload_estimates: dict | None 
                        f"{_f(r.get('host_rss_gib'))} GiB, estimate {e['host']:.2f} for the offloaded tensors)") if e else ""
             out.append(f"- {name}: {r.get('status')}, peak {_f(r.get('peak_allocated_gib'))} GiB{est_txt}, "
                        f"step {_f(r.get('step_s'))} s")
-        n = _call_number(o.get("source") or "")
-        if n and int(n.rstrip("abcdefghijklmnopqrstuvwxyz")) < 52:
+        if "host_buffers" not in o:
             out.append("- host: this call's pinned buffers came from torch's pinned allocator, a power of two each; "
                        "the estimate counts exact sizes, what the offloader page-locks since call 52 (bench/host_buffers.py)")
         if o.get("pageable_over_pinned_step"):

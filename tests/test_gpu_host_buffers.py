@@ -7,30 +7,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longctx.memory.host_buffers import page_locked_empty, release
+from longctx.memory.host_buffers import host_rss_bytes, page_locked_empty, release
 from longctx.memory.offload import Offloader
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 def test_page_locked_buffer_is_exact_pinned_and_async():
     n = (1 << 30) + (1 << 25) + 4099  # just over 1 GiB, like a 128k chunk's selection: torch would pin 2 GiB
     torch.empty(1, device="cuda")
     torch.cuda.synchronize()  # the CUDA context's own host memory (~0.1 GiB) before the first measurement
-    before = _rss()
+    before = host_rss_bytes()
     raw = page_locked_empty(n)
-    grew = _rss() - before
+    grew = host_rss_bytes() - before
     assert raw.numel() == n and raw.is_pinned()
     assert grew < 1.05 * n, (grew, n)  # registering commits the pages it locks: about n, not 2^31
-    before = _rss()
+    before = host_rss_bytes()
     ref = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     print(f"host memory for {n / 2**30:.3f} GiB: registered {grew / 2**30:.3f} GiB, "
-          f"torch's pinned allocator {(_rss() - before) / 2**30:.3f} GiB")
+          f"torch's pinned allocator {(host_rss_bytes() - before) / 2**30:.3f} GiB")
     del ref
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=g)

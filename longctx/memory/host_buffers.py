@@ -74,6 +74,21 @@ def as_view(raw: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
     return raw.view(dtype).view(shape)
 
 
+def host_rss_bytes() -> int:
+    """This process's resident host memory now (VmRSS; page-locked buffers count in it), or where there is
+    no /proc, its peak (ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def release(buf: torch.Tensor) -> None:
     """Unregister a buffer from `page_locked_empty` now (its memory is freed when the last reference goes).
     A buffer from the fallback or a pageable one: nothing to do."""
