@@ -22,6 +22,9 @@ def per_position_loss(model, windows: torch.Tensor, n_buckets: int = 8, batch_si
     device = device or next(model.parameters()).device
     N, L1 = windows.shape
     L = L1 - 1
+    if N == 0 or L < 1 or not 1 <= n_buckets <= L:  # a loss over nothing would read as a real 0.0 or NaN
+        raise ValueError(f"per_position_loss needs >= 1 window of >= 2 tokens and 1 <= n_buckets <= {L} "
+                         f"(got {N} windows of {L1} tokens, n_buckets {n_buckets})")
     sums = torch.zeros(L, dtype=torch.float64)
     counts = torch.zeros(L, dtype=torch.float64)
     it = range(0, N, batch_size)
@@ -50,6 +53,6 @@ def format_table(before: dict, after: dict) -> str:
     for b0, b1 in zip(before["buckets"], after["buckets"]):
         ch = (b1["loss"] - b0["loss"]) / b0["loss"] * 100 if b0["loss"] else float("nan")
         lines.append(f"{b0['start']:>7}-{b0['end']:<8} {b0['loss']:8.4f} {b1['loss']:8.4f} {ch:7.1f}%")
-    ch = (after["loss"] - before["loss"]) / before["loss"] * 100
+    ch = (after["loss"] - before["loss"]) / before["loss"] * 100 if before["loss"] else float("nan")
     lines.append(f"{'all':>16} {before['loss']:8.4f} {after['loss']:8.4f} {ch:7.1f}%")
     return "\n".join(lines)

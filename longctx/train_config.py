@@ -67,7 +67,8 @@ class DataConfig:
     """What to train on. path None = the embedded corpus (the Python standard library's sources).
 
     eval_docs: documents of data.path held out for evaluation (the embedded corpus has its own
-    fixed split). eval_windows: held-out windows per evaluation, each from a document's start.
+    fixed split). eval_windows: held-out windows per evaluation, each from a document's start;
+    0 = no evaluation (no held-out loss, per-position table or plot, and no eval records in metrics).
     separator: put the tokenizer's end-of-text token (NUL for bytes) between packed documents.
     sources: extra named corpora for stages.N.data_mix, e.g. {long = "/data/books"}.
     """

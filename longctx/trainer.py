@@ -116,13 +116,15 @@ class Trainer:
                     f"stages.{i}.seq_len x batch_size ({s.seq_len * s.batch_size:,} tokens) is longer than the whole training "
                     f"corpus ({n_train:,} tokens); lower it or point data.path at more text."
                 )
-        eval_len = max(s.seq_len for s in cfg.stages)
-        longest = max((len(t) for t in self.eval_tokens), default=0) - 1
-        if 0 < longest < eval_len:  # e.g. the stdlib corpus under a 1M-token curriculum
-            if not quiet:
-                log(f"note: held-out documents are at most {longest + 1} tokens; evaluating at that length, not {eval_len}")
-            eval_len = longest
-        self.eval_set = eval_windows(self.eval_tokens, eval_len, cfg.data.eval_windows, starts_only=False).tokens
+        self.eval_set = None  # data.eval_windows=0: no evaluation at all
+        if cfg.data.eval_windows > 0:
+            eval_len = max(s.seq_len for s in cfg.stages)
+            longest = max((len(t) for t in self.eval_tokens), default=0) - 1
+            if 0 < longest < eval_len:  # e.g. the stdlib corpus under a 1M-token curriculum
+                if not quiet:
+                    log(f"note: held-out documents are at most {longest + 1} tokens; evaluating at that length, not {eval_len}")
+                eval_len = longest
+            self.eval_set = eval_windows(self.eval_tokens, eval_len, cfg.data.eval_windows, starts_only=False).tokens
         self.model = LongCtxModel(cfg.model).to(self.device)
         self.model.set_backend(cfg.backend)
         self.model.set_impls(loss=cfg.loss_impl, residual=cfg.residual_impl, indexer_kernel=cfg.indexer_kernel,
@@ -200,9 +202,14 @@ class Trainer:
         c = plan.seq_chunk_tokens()
         return SequenceChunker(c).token_losses if 0 < c < L else None
 
-    def evaluate(self, label: str) -> dict:
+    def evaluate(self, label: str) -> dict | None:
+        """The held-out loss, overall and in 8 position buckets (fewer for windows under 8 tokens);
+        None when data.eval_windows=0 turns evaluation off."""
+        if self.eval_set is None:
+            return None
+        n_buckets = min(8, self.eval_set.shape[1] - 1)
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            res = per_position_loss(self.model, self.eval_set, n_buckets=8, device=self.device,
+            res = per_position_loss(self.model, self.eval_set, n_buckets=n_buckets, device=self.device,
                                     progress=not self.quiet and sys.stderr.isatty(),
                                     token_losses=self._eval_forward())
         self._record({"step": self.step, "eval": label, "eval_loss": res["loss"], "buckets": res["buckets"]})
@@ -273,7 +280,7 @@ class Trainer:
             self.log(f"model: {self.cfg.model.summary()} | {n['total'] / 1e6:.2f}M params ({n['active'] / 1e6:.2f}M active)")
             self.log(f"data: {len(self.train_tokens)} train docs ({sum(len(t) for t in self.train_tokens):,} tokens), "
                      f"{len(self.eval_tokens)} held-out docs; device {self.device}, dtype {str(self.dtype).replace('torch.', '')}")
-        if self.before is None:
+        if self.before is None and self.eval_set is not None:
             self.before = self.evaluate("before")
             if not self.quiet:
                 self.log(f"held-out loss before training: {self.before['loss']:.4f}")
@@ -310,12 +317,16 @@ class Trainer:
             return {"step": self.step, "stopped": True}
         after = self.evaluate("after")
         self.save("final")
-        table = format_table(self.before, after)
-        if not self.quiet:
-            self.log("held-out loss by position (before -> after):\n" + table)
+        table = None  # no table or per-position plot without an evaluation (data.eval_windows=0)
         from . import plots
         plots.loss_curve(self.history, os.path.join(self.out, "loss.png"))
-        plots.per_position(self.before, after, os.path.join(self.out, "per_position_loss.png"))
+        if after is not None and self.before is not None:
+            table = format_table(self.before, after)
+            if not self.quiet:
+                self.log("held-out loss by position (before -> after):\n" + table)
+            plots.per_position(self.before, after, os.path.join(self.out, "per_position_loss.png"))
+        elif os.path.exists(os.path.join(self.out, "per_position_loss.png")):  # an earlier run's, not this one's
+            os.remove(os.path.join(self.out, "per_position_loss.png"))
         summary = {"step": self.step, "before": self.before, "after": after, "table": table}
         with open(os.path.join(self.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
