@@ -5,8 +5,11 @@ Layout of an output directory:
     DIR/checkpoint -> ckpt-000120   a symlink, flipped with os.replace only after the new
                                     checkpoint is fully written and fsynced
 So a crash or Ctrl-C mid-write never leaves `DIR/checkpoint` pointing at a partial checkpoint,
-and the previous one stays until the new one is in place. The MoE router's selection bias is a
-buffer, so it travels with the weights; pending balancer updates are applied before saving.
+and the previous one stays until the new one is in place. Pruning keeps the newest KEEP checkpoints
+at or below the new step, by step number (the names grow a digit past step 999999); a checkpoint
+of a later step (a run rolled back by pointing the link at an older one) is left alone. The MoE
+router's selection bias is a buffer, so it travels with the weights; pending balancer updates are
+applied before saving.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -24,6 +28,7 @@ from .errors import CheckpointError
 
 LINK = "checkpoint"
 KEEP = 2
+_CKPT_NAME = re.compile(r"ckpt-(\d+)")
 
 
 def _fsync_dir(path: str):
@@ -85,10 +90,16 @@ def save(out_dir: str, step: int, model, optimizer, trainer_state: dict, config_
     os.symlink(name, link_tmp)
     os.replace(link_tmp, os.path.join(out_dir, LINK))
     _fsync_dir(out_dir)
-    olds = sorted(d for d in os.listdir(out_dir) if d.startswith("ckpt-") and not d.endswith(".partial") and d != name)
-    for d in olds[: max(0, len(olds) - (KEEP - 1))]:
+    olds = sorted((s, d) for d in os.listdir(out_dir) if (s := step_of_name(d)) is not None and s < step)
+    for _, d in olds[: max(0, len(olds) - (KEEP - 1))]:
         shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
     return final
+
+
+def step_of_name(name: str) -> int | None:
+    """The step of a complete checkpoint folder's name (ckpt-000120 -> 120); None for anything else."""
+    m = _CKPT_NAME.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 def resolve(path: str) -> str:
