@@ -94,12 +94,14 @@ def _export(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .train_config import preset_names
+
     p = argparse.ArgumentParser(prog="longctx", description="Train hybrid long-context sparse models (KDA + DSA + MoE + mHC).")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     t = sub.add_parser("train", help="train (no arguments: the CPU demo on the embedded stdlib corpus)")
     t.add_argument("--config", help="TOML or YAML config file")
-    t.add_argument("--preset", help="model or training preset (tiny, small, h200-ref, glm-5.3-flash, h200-curriculum)")
+    t.add_argument("--preset", help=f"model or training preset ({', '.join(preset_names())})")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting, e.g. model.hidden_size=256 or stages.0.steps=10")
     t.add_argument("--out", help="output directory (default: out_dir of the config)")
     t.add_argument("--print-config", action="store_true", help="print the resolved, validated config and exit")

@@ -5,8 +5,9 @@ Precedence, lowest first: the preset (a model preset such as "small", or a train
 "h200-curriculum") < the config file < `--set`. Model settings start from the preset's
 `ModelConfig` and are overridden field by field; a config file's `stages` list replaces the
 preset's, while `--set stages.0.steps=10` edits one field (and `stages.N.x=...` with N = the number
-of stages appends a stage). Every mistake is a `ConfigError` whose one sentence names the setting
-and the fix; nothing else escapes.
+of stages appends a stage). A model preset whose vocabulary has fewer ids than data.tokenizer (tiny:
+97 < the byte tokenizer's 256) gets the tokenizer's, unless the file or `--set` gives model.vocab_size.
+Every mistake is a `ConfigError` whose one sentence names the setting and the fix; nothing else escapes.
 """
 
 from __future__ import annotations
@@ -136,9 +137,15 @@ class TrainConfig:
     memory: dict = field(default_factory=dict)  # the memory plan; validated by the memory system
     cuda_alloc: str = "expandable_segments:True"  # CUDA allocator settings (longctx.memory.allocator); "" = torch's
 
+    # One line for --print-config and the run's model line when a model preset's vocabulary is raised to
+    # the tokenizer's (not a field: it describes how the config was resolved, not a setting).
+    vocab_note = None
+
     def __post_init__(self):
         if self.model is None:
             self.model = _preset_model(self.preset)
+            if self.preset in MODEL_PRESETS and isinstance(self.data, DataConfig):
+                self.model, self.vocab_note = _fit_vocab(self.model, self.preset, self.data.tokenizer)
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> "TrainConfig":
@@ -181,7 +188,7 @@ class TrainConfig:
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             raise ConfigError(
                 f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 256 ids; "
-                "set model.vocab_size=256 or point data.tokenizer at a tokenizer.json."
+                "set model.vocab_size=256 or more, or leave it unset so that a model preset sizes it to the tokenizer."
             )
         return self
 
@@ -241,6 +248,8 @@ class TrainConfig:
         so unset values appear as comments)."""
         d = self.to_dict()
         lines = [f"# longctx training config: {self.summary()}"]
+        if self.vocab_note:
+            lines.append(f"# {self.vocab_note}")
         tables = ("model", "data", "stages")
         lines += _toml_items({k: v for k, v in d.items() if k not in tables})
         for t in ("model", "data"):
@@ -270,7 +279,12 @@ class TrainConfig:
         data = DataConfig(**{**dataclasses.asdict(base.data), **data_d})
         stages = base.stages if d.get("stages") is None else _stages_from(d["stages"])
         rest = {k: v for k, v in d.items() if k not in ("model", "data", "stages", "preset")}
-        return dataclasses.replace(base, preset=name, model=model, data=data, stages=stages, **rest).validate()
+        note = None
+        if name in MODEL_PRESETS and "vocab_size" not in model_d:
+            model, note = _fit_vocab(model, name, data.tokenizer)
+        cfg = dataclasses.replace(base, preset=name, model=model, data=data, stages=stages, **rest)
+        cfg.vocab_note = note
+        return cfg.validate()
 
     # ---------------------------------------------------------------- display
     def summary(self) -> str:
@@ -316,6 +330,36 @@ def _preset_model(name) -> ModelConfig:
     return model_preset(name) if name in MODEL_PRESETS else TRAIN_PRESETS[name]().model
 
 
+def _fit_vocab(model: ModelConfig, name: str, tokenizer) -> tuple[ModelConfig, str | None]:
+    """A model preset's model with its own vocabulary, or the tokenizer's when the preset has fewer ids
+    (tiny's 97 < the byte tokenizer's 256), and the note that says so: every model preset trains on any
+    data with no model.vocab_size setting. A larger vocabulary is kept (glm-5.3-flash's pad token and
+    the h200-ref embedding sizes are part of those models). Only for a vocabulary the user did not set."""
+    own = MODEL_PRESETS[name]().vocab_size
+    n = _tokenizer_ids(tokenizer)
+    if n is None or n <= own:
+        return dataclasses.replace(model, vocab_size=own), None
+    tok = "byte" if tokenizer == "byte" else repr(tokenizer)
+    return dataclasses.replace(model, vocab_size=n), f"model.vocab_size = {n}: sized to the {tok} tokenizer (the {name} preset has {own})"
+
+
+def _tokenizer_ids(spec) -> int | None:
+    """The number of ids of data.tokenizer, or None when it cannot be read here (the trainer names the
+    problem when it loads the tokenizer)."""
+    if spec == "byte":
+        return 256
+    if not isinstance(spec, str) or not spec.strip():
+        return None
+    from .errors import UserError
+
+    try:
+        from .data.tokenizers import load_tokenizer
+
+        return load_tokenizer(spec).vocab_size
+    except (UserError, OSError, RuntimeError, ValueError):  # RuntimeError: "~nouser/..." has no home
+        return None
+
+
 def base_config(name) -> TrainConfig:
     """The config a preset name starts from: a training preset as is, or a model preset with the demo's
     training settings."""
@@ -354,6 +398,8 @@ def load_train_config(config_file: str | None = None, preset: str | None = None,
             name = v
     name = "small" if name is None else name
     d = base_config(name).to_dict()
+    if name in MODEL_PRESETS:  # sized to data.tokenizer as resolved below, unless the file or --set gives it
+        del d["model"]["vocab_size"]
     _merge(d, raw)
     d["preset"] = name
     for k, v in pairs:

@@ -277,7 +277,8 @@ class Trainer:
             self._tb = None
         n = self.model.num_parameters()
         if not self.quiet:
-            self.log(f"model: {self.cfg.model.summary()} | {n['total'] / 1e6:.2f}M params ({n['active'] / 1e6:.2f}M active)")
+            self.log(f"model: {self.cfg.model.summary()} | {n['total'] / 1e6:.2f}M params ({n['active'] / 1e6:.2f}M active)"
+                     + (f" | {self.cfg.vocab_note}" if self.cfg.vocab_note else ""))
             self.log(f"data: {len(self.train_tokens)} train docs ({sum(len(t) for t in self.train_tokens):,} tokens), "
                      f"{len(self.eval_tokens)} held-out docs; device {self.device}, dtype {str(self.dtype).replace('torch.', '')}")
         if self.before is None and self.eval_set is not None:

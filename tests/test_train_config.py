@@ -393,3 +393,73 @@ def test_random_file_text_raises_config_error(text, fmt):
         p.write_text(text, encoding="utf-8")
         with pytest.raises(ConfigError):
             load_train_config(str(p), None, [])
+
+
+# ------------------------------------------------------------------------------ every preset trains on the default data
+def _cli_presets() -> list[str]:
+    """The preset names `longctx train --help` lists for --preset."""
+    import re
+
+    from longctx.cli import build_parser
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    help_text = next(a.help for a in train._actions if "--preset" in a.option_strings)
+    return re.search(r"\(([^)]*)\)", help_text).group(1).split(", ")
+
+
+def test_the_cli_lists_every_preset():
+    from longctx.train_config import preset_names
+
+    assert _cli_presets() == preset_names()
+
+
+@pytest.mark.parametrize("name", _cli_presets())
+def test_every_listed_preset_prints_and_fits_the_byte_tokenizer(name, capsys):
+    from longctx.cli import main
+
+    c = load_train_config(None, name, [])  # resolved and validated; the huge ones are never built
+    assert c.model.vocab_size >= 256 and c.data.tokenizer == "byte"
+    assert main(["train", "--preset", name, "--print-config"]) == 0
+    text = capsys.readouterr().out
+    assert tomllib.loads(text)["model"]["vocab_size"] == c.model.vocab_size
+    assert load_train_config(None, name, [f"model.vocab_size={c.model.vocab_size}"]) == c
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_cpu_sized_presets_train_a_step_without_a_vocab_setting(name, tmp_path, capsys):
+    from longctx.cli import main
+
+    sets = ["stages=[{seq_len = 32, steps = 1, lr = 1e-3}]", "data.eval_windows=1", "log_every=1000"]
+    assert main(["train", "--preset", name, *[a for s in sets for a in ("--set", s)], "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "checkpoint").exists()
+
+
+def test_a_model_preset_sizes_its_vocabulary_to_the_tokenizer(tmp_path, capsys):
+    from tokenizers import Tokenizer, models
+
+    from longctx.cli import main
+
+    c = load_train_config(None, "tiny", [])
+    assert c.model.vocab_size == 256 and c.model.hidden_size == preset("tiny").hidden_size
+    assert "tiny preset has 97" in c.to_toml().splitlines()[1]
+    assert "tiny preset has 97" in TrainConfig(preset="tiny").validate().to_toml()
+    assert "preset has" not in load_train_config(None, "small", []).to_toml()  # 256 already
+    assert load_train_config(None, "h200-ref", []).model.vocab_size == preset("h200-ref").vocab_size  # never shrunk
+    (tmp_path / "run.toml").write_text(c.to_toml())
+    assert load_train_config(str(tmp_path / "run.toml"), None, []) == c
+    assert TrainConfig.from_dict({"preset": "tiny"}).model.vocab_size == 256
+    for n, want in ((300, 300), (50, 97)):  # a larger tokenizer grows it; a smaller one keeps the preset's
+        words = {f"w{i}": i for i in range(n - 1)} | {"[UNK]": n - 1}
+        Tokenizer(models.WordLevel(words, unk_token="[UNK]")).save(str(tmp_path / f"t{n}.json"))
+        assert load_train_config(None, "tiny", [f"data.tokenizer={tmp_path / f't{n}.json'}"]).model.vocab_size == want
+    # an explicit vocabulary is the user's: too small for the tokenizer is refused in one sentence
+    for sets in (["model.vocab_size=97"], ["model.vocab_size=100"], ["preset=small", "model.vocab_size=200"]):
+        with pytest.raises(ConfigError) as e:
+            load_train_config(None, "tiny", sets)
+        msg = str(e.value)
+        assert msg.startswith("model.vocab_size (") and "256" in msg and msg.count(". ") == 0, msg
+    assert main(["train", "--preset", "tiny", "--set", "model.vocab_size=97", "--print-config"]) == 2
+    assert capsys.readouterr().err.startswith("error: model.vocab_size (97)")
+    (tmp_path / "small.toml").write_text('preset = "tiny"\n[model]\nvocab_size = 97\n')
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(97\)"):
+        load_train_config(str(tmp_path / "small.toml"), None, [])
