@@ -19,7 +19,6 @@ Writes DIR/fused_loss.json (DIR/fused_loss_cpu_smoke.json for --cpu-smoke).
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timing import provenance, timed, write_results
+from timing import env_record, timed, write_results
 
 from longctx.model import LongCtxModel
 from longctx.ops import fused_loss
@@ -93,7 +92,7 @@ def run_gpu(args) -> dict:
     from liger_kernel.ops import LigerFusedLinearCrossEntropyFunction
 
     res = {
-        **provenance(),
+        **env_record(),
         "liger_kernel": fused_loss.liger_version(),
         "liger_flce_class": f"{LigerFusedLinearCrossEntropyFunction.__module__}.{LigerFusedLinearCrossEntropyFunction.__name__}",
         "hidden": D, "vocab": V, "torch_loss_chunk": args.loss_chunk,
@@ -143,8 +142,7 @@ def run_gpu(args) -> dict:
 def run_cpu_smoke(args) -> dict:
     """The torch side (and the step/measurement code) at tiny sizes on the CPU."""
     D, V = 64, 512
-    res = {"cpu_smoke": True, "torch": torch.__version__, "command": " ".join([sys.executable] + sys.argv),
-           "date": datetime.datetime.now().isoformat(timespec="seconds"), "hidden": D, "vocab": V, "cases": []}
+    res = {**env_record("cpu (smoke)"), "cpu_smoke": True, "hidden": D, "vocab": V, "cases": []}
     for mode in ("bf16", "amp"):
         for rows in (64, 256):
             head = Head(D, V, "cpu", torch.float32 if mode == "amp" else torch.bfloat16, "torch", 32)

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import provenance, timed, write_results  # noqa: E402
+from timing import env_record, timed, write_results  # noqa: E402
 
 from longctx.memory.host_buffers import host_rss_bytes, page_locked_empty, release  # noqa: E402
 
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         print("error: bench/host_buffers.py measures copies to and from a GPU; run it where CUDA is available.",
               file=sys.stderr)
         return 2
-    res = {**provenance(), "note": "host_gib: RSS growth of the process on allocating (and page-locking) the buffer",
+    res = {**env_record(), "note": "host_gib: RSS growth of the process on allocating (and page-locking) the buffer",
            "cases": [measure(int(float(s) * GIB) // 4096 * 4096) for s in args.sizes.split(",")]}
     write_results(args.out, "host_buffers.json", res)
     return 0

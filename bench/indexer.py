@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timing import provenance, timed, write_results  # bench/ is on sys.path when run as a script
+from timing import env_record, timed, write_results  # bench/ is on sys.path when run as a script
 
 from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch, kpool_topk_two_phase
 from longctx.ops.indexer import triton_kernel as tk
@@ -258,7 +258,7 @@ def main():
         warmup, reps = (1, 3) if args.quick else (1, 5)
     t_start = time.perf_counter()
     results = {
-        **provenance("cpu (TRITON_INTERPRET=1 smoke)" if dev.cpu else None),
+        **env_record("cpu (TRITON_INTERPRET=1 smoke)" if dev.cpu else None),
         "problem": {"pool": P, "k_pools": K, "topk_tokens": K * P, "dtype": "bf16 q/pk, fp32 w", "batch": 1},
         "floor_note": f"scoring matmul 2*H*D*S*(S/P)/2 flops at {MMA_PEAK:.0f} flop/s; x_floor = ms / floor_ms",
         "timing_note": "median of reps after a warm first call (1 rep when a call takes > 2 s); peak_gib above "

@@ -23,7 +23,6 @@ At the first S both outputs and gradients are compared (relative RMS). Writes DI
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import json
 import sys
@@ -35,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timing import timed, write_results  # bench/ is on sys.path when run as a script
+from timing import env_record, timed, write_results  # bench/ is on sys.path when run as a script
 
 from longctx.ops.kda import fla_available, fla_chunk_kda, kda_chunk, kda_gate, l2norm
 
@@ -148,10 +147,7 @@ def main():
         dev, seqlens, impls, warmup, reps = "cuda", [int(s) for s in args.seqlens.split(",")], ["fla", "torch"], 1, 5
     t_start = time.perf_counter()
     res = {
-        "gpu": "cpu (smoke)" if dev == "cpu" else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": _version("triton"), "fla_core": _version("fla-core"),
-        "command": " ".join([sys.executable] + sys.argv),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        **env_record("cpu (smoke)" if dev == "cpu" else None), "fla_core": _version("fla-core"),
         "problem": {"batch": 1, "heads": H, "head_dim": K, "gate_lower_bound": LOWER_BOUND, "chunk_size": CHUNK,
                     "dtype": "bf16 q/k/v/g_raw/beta, fp32 A_log/dt_bias", "scale": K**-0.5},
         "timing_note": "fwd+bwd: forward, then backward of o against a fixed upstream gradient (all inputs and "

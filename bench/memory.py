@@ -1,9 +1,8 @@
 """Benchmark: what each memory switch buys, measured on full training steps of h200-ref on one GPU.
 
-    python bench/memory.py --out bench/results [--quick] [--seqlens 8192,32768] [--configs all_on,recompute_off]
+    python bench/memory.py --out bench/out/memory [--quick] [--seqlens 8192,32768] [--configs all_on,recompute_off]
                            [--parts runs,baseline,offload,host] [--resume]
     python bench/memory.py --cpu-smoke --out DIR      # every code path at tiny sizes on the CPU (a CI test)
-    python bench/memory.py --report bench/results/memory_runs/*.json --out bench/results   # CPU: merge, no run
 
 Model h200-ref (fp32 master weights, bf16 autocast, backend "auto"), batch 1, random tokens. One
 step = forward + backward + AdamW step + router-balance update + the policy's end_step. For every
@@ -28,26 +27,10 @@ The recompute's second forward is not counted: MFU counts the model's work, not 
 
 --cpu-smoke runs the same code at preset tiny, S = 256 and 1024, with `LiveBytes` (a dispatch
 mode counting live tensors) standing in for the CUDA allocator's peak and a small fake capacity,
-so that OOMs happen and are handled. OUT/memory.json is rewritten after every measurement (a run
-cut short keeps what it has; --resume continues it); OUT/memory.png is drawn at the end.
-
---report FILE... (CPU only, nothing is run) merges the memory.json files of several invocations,
-e.g. the per-call H200 results in bench/results/memory_runs/ (named 1_, 2_, 3_... in call order),
-into OUT/memory.json, OUT/memory.png and OUT/memory_table.md (also printed). Precedence, one rule:
-the files are taken in the order of their names (whatever order they are given in) and a later
-file's run replaces an earlier file's run of the same (config, seq_len), whatever either holds: a
-run with a "note" is a valid run like any other, and a later run marked "superseded" still replaces
-the earlier one. Each merged run records its "source" file (and "replaces": the files it replaced).
-The header (gpu, versions, capacity, model, ...) is the last file's, "invocations" are concatenated,
-and each of baseline_max_context, host_memory_with_offload, offload_pinned_vs_pageable is the last
-file's that has it (with its "source"); runs recorded before `reuse_attention` became a default are
-first renamed from their recorded plan (their reuse_attention_on is today's all_on, their all_on under a
-recompute today's reuse_attention_off; `_renamed_for_today`); "peaks" (`--peak` timelines) are merged by key, a later
-file's replacing an earlier one's. Runs carrying "superseded" stay in the JSON but are left
-out of the figure and the table (listed under it with the reason). The table's estimates are
-recomputed with the current estimator (`longctx estimate`, gpu h200, bf16 activations) from each
-run's resolved plan, not the values recorded at run time; error = (estimate - peak allocated) /
-peak allocated.
+so that OOMs happen and are handled. OUT/memory.json (the GPU, versions, command, date and commit,
+then the runs) is rewritten after every measurement (a run cut short keeps what it has; --resume
+continues it); OUT/memory.png is drawn at the end. bench/results/memory.json holds the runs the
+README's results table reads, each with the command, date and commit of the invocation that made it.
 """
 
 from __future__ import annotations
@@ -55,11 +38,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import gc
 import json
 import platform
-import re
 import statistics
 import sys
 import time
@@ -69,6 +50,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import env_record  # noqa: E402  (bench/timing.py)
 
 from longctx.config import preset
 from longctx.errors import ConfigError
@@ -140,7 +124,7 @@ def effective(plan: MemoryPlan) -> dict:
 # ----------------------------------------------------------------------------- the device
 
 COPY_OPS = ("aten::copy_", "aten::_to_copy")
-# the elementwise ops of the profile's anonymous rows (call 35: bf16 adds 84 ms, multiplies, wheres)
+# the elementwise ops behind the profile's anonymous rows (bf16 adds, multiplies, wheres)
 ELEMENTWISE_OPS = ("aten::add", "aten::add_", "aten::mul", "aten::mul_", "aten::sub", "aten::div", "aten::where",
                    "aten::clamp", "aten::neg", "aten::exp", "aten::sigmoid", "aten::silu", "aten::fill_", "aten::zero_")
 
@@ -258,8 +242,8 @@ def host_rss_gib() -> float:
 
 def pinned_host_gib() -> dict | None:
     """torch's pinned host allocator's blocks: owned (active + cached) and active, GiB. The offloader's and the
-    chunked step's buffers are page-locked outside it (longctx/memory/host_buffers.py) since call 52: their
-    bytes are the runs' kept_pinned_gib and show in the RSS."""
+    chunked step's buffers are page-locked outside it (longctx/memory/host_buffers.py): their bytes are the
+    runs' kept_pinned_gib and show in the RSS."""
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if stats is None or not torch.cuda.is_available():
         return None
@@ -332,7 +316,7 @@ class Bench:
         self.path = self.out / "memory.json"
         self.res = self._load() if args.resume else {}
         self.res.update(self._header())
-        self.res.setdefault("invocations", []).append({"command": self.res["command"], "date": self.res["date"]})
+        self.res.setdefault("invocations", []).append({k: self.res[k] for k in ("command", "date", "commit")})
         self.res.setdefault("runs", [])
 
     # -------------------------------------------------------------- bookkeeping
@@ -349,9 +333,8 @@ class Bench:
             except Exception:  # noqa: BLE001 - absent or broken: recorded as such
                 versions[mod] = None
         n = self.model.num_parameters()
-        return {"gpu": self.dev.name, "device": self.dev.dev.type, "capacity_gib": self.dev.capacity / GIB,
-                "versions": versions, "command": " ".join([sys.executable, "bench/memory.py", *self.args.argv]),
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        env = {**env_record(self.dev.name), "command": " ".join(["python", "bench/memory.py", *self.args.argv])}
+        return {**env, "device": self.dev.dev.type, "capacity_gib": self.dev.capacity / GIB, "versions": versions,
                 "preset": "tiny" if self.args.cpu_smoke else "h200-ref", "params": n,
                 "autocast": str(self.dtype).replace("torch.", ""), "peak_tflops": PEAK_FLOPS / 1e12,
                 "residual_impl": self.impls["residual"], "indexer_kernel": self.impls["indexer_kernel"],
@@ -434,7 +417,7 @@ class Bench:
                     after_step()
         except torch.OutOfMemoryError as e:
             err = str(e).strip().splitlines()[0][:300]
-        except torch.AcceleratorError as e:  # a kernel fault (calls 41-42: an illegal memory access at 512k)
+        except torch.AcceleratorError as e:  # a kernel fault (an illegal memory access, say)
             msg = str(e).strip().splitlines()[0][:300]
             if "out of memory" not in msg.lower():
                 return {"status": "cuda_error", "error": msg, "host_rss_gib": host_rss_gib()}
@@ -625,7 +608,6 @@ class Bench:
         if self.args.resume and "offload_pinned_vs_pageable" in self.res:
             return
         base = dataclasses.replace(self.all_on(S), recompute="on", offload=str(self.cfg.num_layers))
-        # which host buffers the offloader used: files before call 52 lack the key (torch's pinned allocator)
         out = {"seq_len": S, "offload_blocks": self.cfg.num_layers, "host_buffers": "exact-size page-locked"}
         self.res["offload_pinned_vs_pageable"] = out
         for name in modes:
@@ -678,7 +660,7 @@ class Bench:
         rss, pinned = [], []
         r = self.measure(plan, S, steps, after_step=lambda: (rss.append(host_rss_gib()), pinned.append(pinned_host_gib())))
         self.res["host_memory_with_offload"] = {
-            "seq_len": S, "steps": len(rss), "status": r["status"], "rss_gib": rss, "pinned_gib": pinned,
+            "seq_len": S, "host_buffers": "exact-size page-locked", "steps": len(rss), "status": r["status"], "rss_gib": rss, "pinned_gib": pinned,
             "step_s": r.get("step_s_all"), "plan": plan.to_dict(), "offloaded_gib_per_step": r.get("offloaded_gib"),
             "rss_growth_gib": (rss[-1] - rss[0]) if rss else None}
         self.save()
@@ -740,9 +722,8 @@ def _line(r: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- the figure
-def figure(res: dict, path: Path, estimates: dict | None = None):
-    """Peak allocated vs S, a line per config; runs marked "superseded" are left out. `estimates`:
-    {(config, seq_len): GiB} to draw for all_on instead of the estimates recorded in the runs."""
+def figure(res: dict, path: Path):
+    """Peak allocated vs S, a line per config, and the all_on runs' estimates."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -750,7 +731,7 @@ def figure(res: dict, path: Path, estimates: dict | None = None):
 
     fig, ax = plt.subplots(figsize=(8, 5))
     cap = res["capacity_gib"]
-    runs = [r for r in res["runs"] if "superseded" not in r]
+    runs = res["runs"]
     names = [n for n in CONFIGS if any(r["config"] == n for r in runs)]
     for i, name in enumerate(names):
         rs = sorted((r for r in runs if r["config"] == name), key=lambda r: r["seq_len"])
@@ -768,8 +749,7 @@ def figure(res: dict, path: Path, estimates: dict | None = None):
             color = f"C{i % 10}"
         if oom:
             ax.scatter(oom, [cap * 1.04] * len(oom), marker="x", color=color, label=None if ok else f"{name} (oom)")
-    allon = sorted((r["seq_len"], (estimates or {}).get(("all_on", r["seq_len"]), r["estimate_gib"]))
-                   for r in runs if r["config"] == "all_on")
+    allon = sorted((r["seq_len"], r["estimate_gib"]) for r in runs if r["config"] == "all_on")
     if allon:
         ax.plot([s for s, _ in allon], [g for _, g in allon], ls=":", color="k", lw=1, label="all_on, estimate")
     bl = res.get("baseline_max_context")
@@ -790,75 +770,6 @@ def figure(res: dict, path: Path, estimates: dict | None = None):
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------- the report (CPU)
-SECTIONS = ("baseline_max_context", "host_memory_with_offload", "offload_pinned_vs_pageable")
-
-
-def _call_number(name: str) -> str | None:
-    """The call a results file came from: its leading number, and a one-letter part of that call if the
-    name has one (memory_runs/8_offload_256k.json -> "8", 12_b_two_phase_128k.json -> "12b")."""
-    m = re.match(r"(\d+)_(?:([a-z])_)?", name)
-    return m.group(1) + (m.group(2) or "") if m else None
-
-
-def _call_order(p: Path):
-    n = _call_number(p.name)
-    return (int(n.rstrip("abcdefghijklmnopqrstuvwxyz")) if n else -1, p.name)  # 10_* after 9_*, not after 1_*
-
-
-def merge(paths) -> dict:
-    """One result from several memory.json files (the rule: see the module docstring)."""
-    paths = sorted((Path(p) for p in paths), key=_call_order)
-    header, invocations, runs, sections, peaks = {}, [], {}, {}, {}
-    for p in paths:
-        d = json.loads(p.read_text())
-        header = {k: v for k, v in d.items() if k not in ("invocations", "runs", "merged_from", "peaks", *SECTIONS)}
-        peaks.update({k: {**v, "source": p.name} for k, v in d.get("peaks", {}).items()})
-        invocations += [{**inv, "source": p.name} for inv in d.get("invocations", [])]
-        for r in d.get("runs", []):
-            r = _renamed_for_today(r)
-            key = (r["config"], r["seq_len"])
-            new = {k: v for k, v in r.items() if k != "replaces"} | {"source": p.name}
-            if key in runs:
-                old = runs[key]
-                new["replaces"] = [*old.get("replaces", []), old["source"]]
-            runs[key] = new
-        for k in SECTIONS:
-            if k in d:
-                sections[k] = {**d[k], "source": p.name}
-    return {**header, "merged_from": [p.name for p in paths], "invocations": invocations,
-            "runs": list(runs.values()), **sections, **({"peaks": peaks} if peaks else {})}
-
-
-def _renamed_for_today(r: dict) -> dict:
-    """Runs made before `reuse_attention` was on by default (call 39) under today's config names: their
-    "reuse_attention_on" is today's all_on, and their all_on, where a recompute ran without it, is today's
-    reuse_attention_off. Decided from the run's recorded plan, so later runs are never renamed."""
-    plan = r.get("plan") or {}
-    name = r["config"]
-    if name == "reuse_attention_on":
-        name = "all_on"
-    elif (name == "all_on" and not plan.get("reuse_attention", False)
-          and (plan.get("recompute") == "on" or str(plan.get("seq_chunk", "off")).isdigit())):
-        name = "reuse_attention_off"
-    return r if name == r["config"] else {**r, "config": name, "recorded_as": r["config"]}
-
-
-def _estimator_version() -> str:
-    """Which estimator the report used: the last commit of longctx/memory/, and whether it has changes."""
-    import subprocess
-
-    def git(*args):
-        r = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False)
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    last = git("log", "-1", "--format=%h", "--", "longctx/memory")
-    if not last:
-        return "longctx/memory/ (not in a git checkout)"
-    dirty = git("status", "--porcelain", "--", "longctx/memory")
-    return f"longctx/memory/ as of commit {last}" + (" plus uncommitted changes" if dirty else "")
-
-
 def _f(x, fmt: str = ".2f") -> str:
     return "" if x is None else format(x, fmt)
 
@@ -867,214 +778,10 @@ def _err(est_gib, measured) -> str:
     return "" if not measured else f"{100 * (est_gib - measured) / measured:+.1f}%"
 
 
-def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|",
-            *("| " + " | ".join(r) + " |" for r in rows)]
-
-
-STATUS_TEXT = {"same_as_all_on": "= all_on", "skipped_after_oom": "skipped (oom before)", "cuda_error": "CUDA error"}
-
-
-def report_text(res: dict, estimates: dict, cfg, offload_estimates: dict | None = None) -> str:
-    """OUT/memory_table.md: the runs table, what was left out, the notes, baseline and host memory."""
-    files = res["merged_from"]
-    call = {f: _call_number(f) or str(i + 1) for i, f in enumerate(files)}
-    order = {n: i for i, n in enumerate(CONFIGS)}
-    shown = sorted((r for r in res["runs"] if "superseded" not in r),
-                   key=lambda r: (r["seq_len"], order.get(r["config"], len(order)), r["config"]))
-    params = res.get("params") or {}
-    title = (f"# Memory: {res.get('preset')} one training step on {res.get('gpu')} "
-             f"({_f(res.get('capacity_gib'), '.1f')} GiB)")
-    intro = (f"{_f(params.get('total', 0) / 1e6, ',.1f')}M parameters ({_f(params.get('active', 0) / 1e6, ',.1f')}M "
-             f"active per token), {res.get('autocast')} autocast, batch 1, one step = forward + backward + AdamW. "
-             f"MFU against {_f(res.get('peak_tflops'), '.0f')} TFLOP/s. Estimate: `longctx estimate` of the run's "
-             f"resolved plan, recomputed with the current estimator ({_estimator_version()}); "
-             "error = (estimate - peak allocated) / peak "
-             "allocated. \"from\": the call whose file holds the run (a later call's run of the same config and "
-             "length replaces an earlier one's).")
-    out = [title, "", intro, "", "Calls: " + "; ".join(f"{call[f]} = {f}" for f in files), ""]
-    notes: dict[str, int] = {}
-    rows = []
-    for r in shown:
-        mark = ""
-        if r.get("note"):
-            mark = f"[{notes.setdefault(r['note'], len(notes) + 1)}]"
-        e = estimates[(r["config"], r["seq_len"])]
-        ok = r["status"] == "ok"
-        pa = r.get("peak_allocated_gib") if ok else None
-        rows.append([r["config"], f"{r['seq_len']:,}", STATUS_TEXT.get(r["status"], r["status"]),
-                     _f(pa), _f(r.get("peak_reserved_gib") if ok else None), _f(e), _err(e, pa) if ok else "",
-                     _f(r.get("step_s") if ok else None), _f(r.get("tokens_per_s") if ok else None, ",.0f"),
-                     _f(100 * r["mfu"] if ok and r.get("mfu") is not None else None, ".1f"),
-                     call.get(r.get("source"), "?"), mark])
-    out += _md_table(["config", "tokens", "status", "peak alloc GiB", "peak reserved GiB", "estimate GiB",
-                      "est. error", "step s", "tokens/s", "MFU %", "from", "note"], rows)
-    left = [r for r in res["runs"] if "superseded" in r]
-    if left:
-        out += ["", "left out:"]
-        out += [f"- {r['config']} at {r['seq_len']:,} (call {call.get(r.get('source'), '?')}): {r['superseded']}"
-                for r in sorted(left, key=lambda r: (r["seq_len"], order.get(r["config"], len(order))))]
-    if notes:
-        out += ["", "notes:"] + [f"- [{i}] {text}" for text, i in notes.items()]
-
-    bl = res.get("baseline_max_context")
-    base_plan = MemoryPlan.baseline()
-    if bl:
-        start = bl["attempts"][0]["seq_len"] if bl.get("attempts") else 4 * K
-        pred = estimated_max_context(cfg, base_plan, start, 64 * 2048 * K, "h200", 2)
-        out += ["", f"## Baseline (every switch off): longest context (call {call.get(bl.get('source'), '?')})", "",
-                f"max_ok {_f(bl.get('max_ok'), ',')} tokens; the estimate's max {_f(bl.get('estimate_max'), ',')} "
-                f"(recorded), {_f(pred, ',')} (estimator now)." + (f" Note: {bl['note']}" if bl.get("note") else ""),
-                ""]
-        arows = []
-        for a in bl.get("attempts", []):
-            _, kw = run_estimate_args({"plan": {}, "impl": a.get("impl"), "source": bl.get("source")})
-            e = est.estimate(cfg, a["seq_len"], base_plan, 1, "h200", 2, **kw)["gpu_bytes"] / GIB
-            ok = a["status"] == "ok"
-            arows.append([f"{a['seq_len']:,}", a["status"], _f(a.get("peak_allocated_gib") if ok else None),
-                          _f(a.get("peak_reserved_gib") if ok else None), _f(e),
-                          _err(e, a.get("peak_allocated_gib")) if ok else "", _f(a.get("step_s") if ok else None)])
-        out += _md_table(["tokens", "status", "peak alloc GiB", "peak reserved GiB", "estimate GiB", "est. error",
-                          "step s"], arows)
-
-    if res.get("peaks"):
-        out += ["", "## What is alive at the peak (`--peak`: a step with marks at every block and sub-layer)", ""]
-        prows, phase_tables = [], []
-        for key, p in sorted(res["peaks"].items()):
-            S, name = key.split(":", 1)
-            plan, kw = run_estimate_args({"plan": p["plan"], "impl": p.get("impl"), "source": p.get("source")})
-            e_full = est.estimate(cfg, int(S), plan, 1, "h200", 2, **kw)
-            e = e_full["gpu_bytes"] / GIB
-            between = " .. ".join(f"'{m}'" for m in p.get("peak_between") or [])
-            prows.append([name, f"{int(S):,}", _f(p.get("peak_allocated_gib")), _f(e), _err(e, p.get("peak_allocated_gib")),
-                          between, call.get(p.get("source"), "?")])
-            if p.get("phases_gib"):
-                ph = {k: v / GIB for k, v in e_full["phases_gpu_bytes"].items()}
-                rows = [[k, _f(v), _f(ph.get(k)), _err(ph[k], v) if k in ph else ""]
-                        for k, v in by_estimate_phase(p["phases_gib"]).items()]
-                phase_tables += ["", f"Each phase's own peak, {name} at {int(S):,} (call {call.get(p.get('source'), '?')}; "
-                                 "the allocator's peak counter restarted at every mark; 'earlier chunks': the largest of them):",
-                                 ""] + _md_table(["phase", "measured GiB", "estimate GiB", "est. error"], rows)
-        out += _md_table(["config", "tokens", "peak alloc GiB", "estimate GiB", "est. error", "peak between", "from"], prows)
-        out += phase_tables
-
-    h = res.get("host_memory_with_offload")
-    if h:
-        rss, pinned, steps = h.get("rss_gib") or [], h.get("pinned_gib") or [], h.get("step_s") or []
-        owned = [p.get("owned") if p else None for p in pinned]
-        plan = h.get("plan") or {}
-        if owned and len(set(owned)) == 1:
-            owned_text = f"{_f(owned[0])} after every one of the {len(owned)} steps"
-        else:
-            owned_text = ", ".join("n/a" if o is None else f"{o:.2f}" for o in owned) or "n/a"
-        what = (f"- {h.get('steps')} steps at {_f(h.get('seq_len'), ',')} tokens, offload={plan.get('offload')} "
-                f"blocks, pin_memory={plan.get('pin_memory')}, keep_pinned={plan.get('keep_pinned', not plan.get('release_pinned', True))}: "
-                f"{h.get('status')}; offloaded "
-                f"{_f(h.get('offloaded_gib_per_step'))} GiB per step")
-        rss_text = (f"- host RSS: first {_f(rss[0] if rss else None)} GiB, last {_f(rss[-1] if rss else None)} GiB "
-                    f"(growth {_f(h.get('rss_growth_gib'), '+.3f')} GiB)")
-        step_text = (f"- step time: median {_f(statistics.median(steps) if steps else None)} s "
-                     f"(first {_f(steps[0] if steps else None)} s)")
-        out += ["", f"## Host memory with offload (call {call.get(h.get('source'), '?')})", "",
-                what, rss_text, f"- pinned owned (GiB): {owned_text}", step_text]
-        if h.get("note"):
-            out.append(f"- note: {h['note']}")
-
-    o = res.get("offload_pinned_vs_pageable")
-    if o:
-        out += ["", f"## Offload, pinned vs pageable (call {call.get(o.get('source'), '?')})", ""]
-        for name in ("pinned", "pinned_kept", "pageable", "no_offload"):
-            r = o.get(name) or {}
-            if not r:
-                continue
-            e = (offload_estimates or {}).get(name)
-            est_txt = (f" (estimate {e['gpu']:.2f}, {_err(e['gpu'], r.get('peak_allocated_gib'))}; host: RSS "
-                       f"{_f(r.get('host_rss_gib'))} GiB, estimate {e['host']:.2f} for the offloaded tensors)") if e else ""
-            out.append(f"- {name}: {r.get('status')}, peak {_f(r.get('peak_allocated_gib'))} GiB{est_txt}, "
-                       f"step {_f(r.get('step_s'))} s")
-        if "host_buffers" not in o:
-            out.append("- host: this call's pinned buffers came from torch's pinned allocator, a power of two each; "
-                       "the estimate counts exact sizes, what the offloader page-locks since call 52 (bench/host_buffers.py)")
-        if o.get("pageable_over_pinned_step"):
-            out.append(f"- pageable / pinned step time: {o['pageable_over_pinned_step']:.2f}x")
-        none = o.get("no_offload") or {}
-        for name in ("pinned", "pinned_kept", "pageable"):
-            r = o.get(name) or {}
-            if r.get("status") == none.get("status") == "ok":
-                out.append(f"- offload's cost ({name} / no offload step time): {r['step_s'] / none['step_s']:.2f}x "
-                           "(target <= 1.15)")
-
-    best = max((r["seq_len"] for r in shown if r["config"] == "all_on" and r["status"] == "ok"), default=None)
-    base = (bl or {}).get("max_ok")
-    ratio = f"{best:,} / {base:,} = {best / base:.0f}x" if best and base else "n/a (a side is missing)"
-    out += ["", f"Max context, all_on / baseline: {ratio}", ""]
-    return "\n".join(out)
-
-
-LAST_CALL_WITH_PLAIN_OPS = 27  # runs of calls up to this one ran the RMSNorms and SwiGLUs as plain autograd
-
-
-def run_estimate_args(r: dict) -> tuple[MemoryPlan, dict]:
-    """The plan and the estimator's implementation arguments for a recorded run: the mHC path from the
-    run's impl record (mhc:liger / mhc:torch), KDA's norm from it too (fla's where it says "+fla-norm";
-    every run recorded before fla's norm existed ran ours), plain-autograd RMSNorms and SwiGLUs for calls up to
-    LAST_CALL_WITH_PLAIN_OPS (by the call number of its source file; a run without one is taken as
-    recent), mhc_chunk 0 for runs recorded before that switch existed (they ran liger's
-    whole-sequence Functions wherever they ran liger), and reuse_attention off for runs recorded before it
-    existed (they re-ran the attention forward)."""
-    d = dict(r["plan"])
-    d.setdefault("mhc_chunk", 0)
-    d.setdefault("reuse_attention", False)
-    impl = r.get("impl") or ""
-    residual = "liger" if "mhc:liger" in impl else "torch" if "mhc:torch" in impl else "auto"
-    call = _call_number(Path(r.get("source") or "").name)
-    plain = call is not None and int(re.match(r"\d+", call).group()) <= LAST_CALL_WITH_PLAIN_OPS
-    return MemoryPlan.from_dict(d), {"residual_impl": residual, "kda_norm": "fla" if "+fla-norm" in impl else "torch",
-                                     "plain_ops": plain}
-
-
-def offload_estimates(section: dict | None, cfg) -> dict:
-    """The current estimator's GPU and host GiB for each mode of an offload comparison (every block offloaded
-    under block recompute, the whole sequence; `Bench.offload_pinned_vs_pageable`), by mode name."""
-    if not section:
-        return {}
-    out = {}
-    for name, mode in Bench.OFFLOAD_MODES.items():
-        if not isinstance(section.get(name), dict):
-            continue
-        pin, keep = mode or (True, True)
-        plan = MemoryPlan.from_dict({"recompute": "on", "seq_chunk": "off", "pin_memory": pin, "keep_pinned": keep,
-                                     "offload": "off" if mode is None else str(section["offload_blocks"])})
-        e = est.estimate(cfg, section["seq_len"], plan, 1, "h200", 2)
-        out[name] = {"gpu": e["gpu_bytes"] / GIB, "host": e["host_bytes"] / GIB}
-    return out
-
-
-def report(files, out: Path) -> int:
-    """--report: merge `files`, write OUT/memory.json, memory.png, memory_table.md; print the table."""
-    missing = [f for f in files if not Path(f).is_file()]
-    if missing:
-        print(f"error: --report: no such file: {', '.join(missing)}", file=sys.stderr)
-        return 2
-    res = merge(files)
-    cfg = preset("h200-ref")
-    estimates = {}
-    for r in res["runs"]:
-        plan, kw = run_estimate_args(r)
-        estimates[(r["config"], r["seq_len"])] = est.estimate(cfg, r["seq_len"], plan, 1, "h200", 2, **kw)["gpu_bytes"] / GIB
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "memory.json").write_text(json.dumps(res, indent=1) + "\n")
-    figure(res, out / "memory.png", estimates)
-    text = report_text(res, estimates, cfg, offload_estimates(res.get("offload_pinned_vs_pageable"), cfg))
-    (out / "memory_table.md").write_text(text)
-    print(text, end="")
-    return 0
-
-
 # ----------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "memory"))
     ap.add_argument("--quick", action="store_true", help="8k..128k, five configs, one step each, short host test")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU: checks the code paths")
     ap.add_argument("--seqlens", help="comma-separated lengths (default: 8k..1M; quick 8k..128k)")
@@ -1087,7 +794,7 @@ def main(argv=None) -> int:
     ap.add_argument("--host-steps", type=int, help="steps of the host-memory test (default 20; quick 5; smoke 3)")
     ap.add_argument("--host-seqlen", type=int, help="sequence length of the host-memory test (default 256k; quick 32k)")
     ap.add_argument("--cuda-alloc", default=allocator.DEFAULT,
-                    help="CUDA allocator settings ('' = torch's defaults, as every run before this switch)")
+                    help="CUDA allocator settings ('' = torch's defaults)")
     ap.add_argument("--offload-modes", default=",".join(Bench.OFFLOAD_MODES),
                     help="which offload runs, in order: " + ",".join(Bench.OFFLOAD_MODES))
     ap.add_argument("--offload-seqlen", type=int, help="sequence length of pinned vs pageable (default 256k; quick 32k)")
@@ -1123,13 +830,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first step (the first run then includes compilation)")
     ap.add_argument("--plan", nargs="+", default=[], metavar="SWITCH=VALUE",
                     help="memory settings fixed before the automatic plan resolves the rest, as a training config's "
-                         "`memory` table, e.g. --plan seq_chunk=off offload=10 (the plan of calls 41-42's 512k step)")
-    ap.add_argument("--report", nargs="+", metavar="FILE", help="merge these memory.json files into OUT "
-                    "(memory.json, memory.png, memory_table.md); CPU only, nothing is run")
+                         "`memory` table, e.g. --plan seq_chunk=off offload=10 (a whole-sequence 512k step)")
     a = ap.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
-    if a.report:
-        return report(a.report, Path(a.out))
     try:
         a.fixed_plan = MemoryPlan.from_dict(est.parse_switches(a.plan, "--plan"))
     except ConfigError as e:

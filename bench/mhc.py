@@ -1,8 +1,8 @@
 """Benchmark: one mHC connection (enter + exit), fwd+bwd, our torch mHC vs liger's mHC ops.
 
-    python bench/mhc.py --out DIR [--quick] [--tokens 65536,262144]
-    python bench/mhc.py --cpu-smoke --out DIR     # the torch side at tiny sizes on the CPU
+    python bench/mhc.py --out DIR [--quick] [--tokens 65536,262144]   # the connection: torch vs liger
     python bench/mhc.py --project --out DIR       # the coefficient projection alone: liger's kernels vs ours
+    python bench/mhc.py --cpu-smoke --out DIR     # the torch side at tiny sizes on the CPU
 
 h200-ref width: streams [1, S, 4, 1536] bf16, fp32 fn/base/scale, 20 Sinkhorn rounds. One step =
 x, ctx = enter(streams); y = x * gain + noise (a stand-in sub-layer); out = exit(streams, ctx, y);
@@ -12,13 +12,15 @@ backward of (out * dout).sum() into the streams, the noise and the parameters. I
   liger            residual_impl "liger" (longctx.ops.mhc_liger)
 Per case: median ms of fwd+bwd (CUDA events, after warm-up), the peak allocated above the inputs
 during one step, and liger's relative RMS difference from torch on out and d_streams.
-Writes DIR/mhc.json (DIR/mhc_cpu_smoke.json for --cpu-smoke).
+Writes DIR/mhc.json: the connection comparison under "connection", --project's under "projection",
+each with its own command, date and commit; a run replaces its own part and keeps the other one
+(DIR/mhc_cpu_smoke.json for --cpu-smoke).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import json
 import sys
 from pathlib import Path
 
@@ -27,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timing import provenance, timed, write_results
+from timing import env_record, timed, write_results
 
 from longctx.config import preset
 from longctx.layers.residual import MHC
@@ -80,8 +82,6 @@ def run_gpu(args) -> dict:
     impls = args.impls.split(",")
     warmup, reps = (1, 3) if args.quick else (2, 5)
     res = {
-        **provenance(),
-        "liger_kernel": fused_loss.liger_version(),
         "streams": cfg.hc_streams, "hidden": cfg.hidden_size, "sinkhorn_iters": cfg.hc_sinkhorn_iters,
         "notes": "peak_extra_gib = max allocated during one fwd+bwd minus allocated before it (streams, noise, dout, "
                  "parameters); it includes the gradients.",
@@ -134,7 +134,7 @@ def run_project(args) -> dict:
 
     cfg = preset("h200-ref")
     K, M = cfg.hc_streams * cfg.hidden_size, (2 + cfg.hc_streams) * cfg.hc_streams
-    res = {**provenance(), "liger_kernel": fused_loss.liger_version(), "K": K, "M": M,
+    res = {"K": K, "M": M,
            "ours_configs": {"fwd": ours.FWD, "bwd": ours.BWD}, "cases": []}
     for S in [int(s) for s in args.tokens.split(",")]:
         row = _project_case(S, K, M, cfg.rms_norm_eps)
@@ -171,8 +171,7 @@ def _project_case(S: int, K: int, M: int, eps: float) -> dict:
 
 def run_cpu_smoke(args) -> dict:
     cfg = preset("tiny")
-    res = {"cpu_smoke": True, "torch": torch.__version__, "command": " ".join([sys.executable] + sys.argv),
-           "date": datetime.datetime.now().isoformat(timespec="seconds"), "cases": []}
+    res = {**env_record("cpu (smoke)"), "cpu_smoke": True, "cases": []}
     for S in (64, 256):
         row = {"tokens": S}
         for impl in ("torch", "torch_keep_cast"):
@@ -202,10 +201,23 @@ def main():
             sys.exit(2)
         if args.tokens == ap.get_default("tokens"):
             args.tokens = "65536,131072"
-        write_results(args.out, "mhc_project.json", run_project(args))
+        write_part(args.out, "projection", run_project(args))
         return
-    res = run_cpu_smoke(args) if args.cpu_smoke else run_gpu(args)
-    write_results(args.out, "mhc_cpu_smoke.json" if args.cpu_smoke else "mhc.json", res)
+    if args.cpu_smoke:
+        write_results(args.out, "mhc_cpu_smoke.json", run_cpu_smoke(args))
+        return
+    write_part(args.out, "connection", run_gpu(args))
+
+
+def write_part(out: str, part: str, body: dict) -> None:
+    """OUT/mhc.json with `part` replaced: the file's head says this run's GPU and versions, the part its
+    command, date and commit too (the other part, if the file has one, keeps its own)."""
+    path = Path(out) / "mhc.json"
+    res = json.loads(path.read_text()) if path.is_file() else {}
+    env = env_record()
+    res.update({k: env[k] for k in ("gpu", "torch", "triton")}, liger_kernel=fused_loss.liger_version())
+    res[part] = {**env, **body}
+    write_results(out, "mhc.json", res)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from test_gpu_sparse_attention import causal_pool_indices
-from timing import provenance, timed, write_results
+from timing import env_record, timed, write_results
 
 from longctx.ops.sparse_attention import triton_kernel as tk
 
@@ -109,7 +109,7 @@ def main():
     warmup, reps = (1, 3) if args.quick else (2, 5)
 
     res = {
-        **provenance(),
+        **env_record(),
         "D": D,
         "K": K,
         "flops_note": "fwd 2*K*H*(D+D) per query (nominal K, -1 slots counted), bwd 2.5x fwd",
