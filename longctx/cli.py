@@ -14,7 +14,7 @@ import sys
 
 def _train(a) -> int:
     from .train_config import load_train_config
-    from .trainer import Trainer
+    from .trainer import Trainer, check_out_dir
 
     cfg = load_train_config(a.config, a.preset, a.set or [])
     if a.out:
@@ -22,7 +22,8 @@ def _train(a) -> int:
     if a.print_config:
         print(cfg.to_toml())
         return 0
-    Trainer(cfg, quiet=a.quiet).run(resume=a.resume, stop_after=a.max_steps)
+    check_out_dir(cfg.out_dir, a.resume, a.force)  # before the corpus is read: a refusal is instant
+    Trainer(cfg, quiet=a.quiet).run(resume=a.resume, stop_after=a.max_steps, force=a.force)
     return 0
 
 
@@ -106,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="output directory (default: out_dir of the config)")
     t.add_argument("--print-config", action="store_true", help="print the resolved, validated config and exit")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    t.add_argument("--force", action="store_true", help="start afresh in an OUT that holds a run: delete its checkpoints, "
+                   "metrics, config.json, summary, plots and TensorBoard events (nothing else)")
     t.add_argument("--max-steps", type=int, help="stop (with a checkpoint) after this many steps in total")
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(fn=_train)

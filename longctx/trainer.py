@@ -16,6 +16,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 
@@ -74,6 +75,74 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device):
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     extra = {"fused": True} if device.type == "cuda" else {}
     return torch.optim.AdamW(groups, lr=cfg.stages[0].lr, betas=tuple(cfg.betas), **extra)
+
+
+# ---------------------------------------------------------------------- the run folder
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "per_position_loss.png")
+TB_DIR = "tb"  # TensorBoard's event files (events.out.tfevents.*)
+
+
+class RunFolderError(UserError):
+    """An output folder that holds a run where none is expected, or none where --resume needs one."""
+
+
+def _is_checkpoint_dir(name: str) -> bool:
+    return ckpt.step_of_name(name.removesuffix(".partial")) is not None
+
+
+def run_markers(out: str) -> list[str]:
+    """What in `out` says a run lives there: its config, metrics, checkpoint link or checkpoints."""
+    if not os.path.isdir(out):
+        return []
+    names = sorted(os.listdir(out))
+    return ([n for n in ("config.json", "metrics.jsonl") if n in names]
+            + ([ckpt.LINK] if os.path.lexists(os.path.join(out, ckpt.LINK)) else [])
+            + [n for n in names if _is_checkpoint_dir(n)])
+
+
+def clear_run(out: str) -> list[str]:
+    """Delete what a run writes into `out`, and nothing else: the ckpt-<step> folders (whole or
+    .partial), the checkpoint link, config.json, metrics.jsonl, summary.json, the two plots and the
+    TensorBoard event files in tb/ (tb/ itself when that leaves it empty). Returns what it removed."""
+    if not os.path.isdir(out):
+        return []
+    removed = []
+    for n in sorted(os.listdir(out)):
+        p = os.path.join(out, n)
+        if _is_checkpoint_dir(n) and os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        elif n in (ckpt.LINK, ckpt.LINK + ".new") and os.path.islink(p):
+            os.remove(p)
+        elif n in RUN_FILES and os.path.isfile(p):
+            os.remove(p)
+        else:
+            continue
+        removed.append(n)
+    tb = os.path.join(out, TB_DIR)
+    if os.path.isdir(tb) and not os.path.islink(tb):
+        events = [n for n in os.listdir(tb) if n.startswith("events.out.tfevents.")]
+        for n in events:
+            os.remove(os.path.join(tb, n))
+        if events:
+            removed.append(f"{TB_DIR}/events.out.tfevents.* ({len(events)})")
+        if not os.listdir(tb):
+            os.rmdir(tb)
+    return removed
+
+
+def check_out_dir(out: str, resume: bool, force: bool) -> None:
+    """Refuse a fresh run over an existing one (unless `force`), and a resume where no run is."""
+    if resume and force:
+        raise RunFolderError("--resume and --force contradict each other (continue the run, or delete it and start "
+                             "afresh); pass only one of them.")
+    held = run_markers(out)
+    if resume and not held:
+        raise RunFolderError(f"--resume: --out {out} holds no run (no config.json or checkpoint there); check the "
+                             "folder, or drop --resume to start a run in it.")
+    if not resume and held and not force:
+        raise RunFolderError(f"--out {out} already holds a run ({', '.join(held[:4])}); pass --resume to continue "
+                             "it, or --force to start afresh (deleting its checkpoints, metrics, config, plots and "
+                             "TensorBoard events).")
 
 
 class Trainer:
@@ -261,13 +330,18 @@ class Trainer:
                 f"gnorm {r['grad_norm']:.2f} | {r['tokens_per_s']:8.0f} tok/s | peak {r['peak_gib']:.2f} GiB{est}{bal} | "
                 f"{r['impl']}")
 
-    def run(self, resume: bool = False, stop_after: int | None = None) -> dict:
-        os.makedirs(self.out, exist_ok=True)
+    def run(self, resume: bool = False, stop_after: int | None = None, force: bool = True) -> dict:
+        """Train to the end (or `stop_after` steps in total). A fresh run (not `resume`) into a folder
+        holding a run clears it first (`clear_run`) when `force`, else refuses; the CLI passes
+        force only with --force, while a caller of this method asks for a fresh run by calling it."""
+        check_out_dir(self.out, resume, force and not resume)
         if resume:
             self.resume()
-        else:
-            if os.path.exists(os.path.join(self.out, "metrics.jsonl")):
-                os.remove(os.path.join(self.out, "metrics.jsonl"))
+        elif force:
+            removed = clear_run(self.out)
+            if removed and not self.quiet:
+                self.log(f"--force: removed the previous run's {', '.join(removed)} from {self.out}")
+        os.makedirs(self.out, exist_ok=True)
         with open(os.path.join(self.out, "config.json"), "w") as f:
             json.dump(self.cfg.to_dict(), f, indent=2, default=str)
         try:

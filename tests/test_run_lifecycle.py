@@ -58,3 +58,61 @@ def test_pruning_keeps_the_previous_checkpoint_by_step_number(tmp_path):
         ckpt.save(str(tmp_path), step, model, None, {}, {})
     assert sorted(d for d in os.listdir(tmp_path) if d.startswith("ckpt-")) == ["ckpt-1000000", "ckpt-1000001"]
     assert os.readlink(tmp_path / "checkpoint") == "ckpt-1000001"
+
+
+# ------------------------------------------------------------------------------ an existing run folder
+def _only_error(err, *needles):
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("error: "), err
+    assert "Traceback" not in err
+    msg = lines[-1]
+    assert msg.count(". ") == 0 and msg.endswith("."), msg  # one sentence
+    for n in needles:
+        assert n in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("marker", ["config.json", "checkpoint", "ckpt-000003", "metrics.jsonl"])
+def test_train_into_a_run_folder_is_refused(tmp_path, corpus, capsys, marker):
+    out = tmp_path / "run"
+    out.mkdir()
+    if marker == "checkpoint":
+        os.symlink("ckpt-000003", out / marker)
+    elif marker.startswith("ckpt-"):
+        (out / marker).mkdir()
+        (out / marker / "model.safetensors").write_bytes(b"weights")
+    else:
+        (out / marker).write_text("{}")
+    before = sorted(os.listdir(out))
+    assert main(["train", *as_flags(tiny_sets(corpus)), "--out", str(out), "--quiet"]) == 2
+    _only_error(capsys.readouterr().err, marker, "--resume", "--force")
+    assert sorted(os.listdir(out)) == before
+
+
+def test_force_removes_what_longctx_wrote_and_nothing_else(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *as_flags(tiny_sets(corpus, steps0=5, steps1=2)), "--out", str(out), "--quiet"]) == 0
+    old = set(os.listdir(out))
+    assert {"config.json", "metrics.jsonl", "summary.json", "loss.png", "per_position_loss.png", "checkpoint",
+            "ckpt-000005", "ckpt-000007"} <= old
+    old_events = {f for f in os.listdir(out / "tb") if f.startswith("events.out.tfevents")} if (out / "tb").exists() else set()
+    (out / "ckpt-000009.partial").mkdir()  # a write cut short
+    mine = ["notes.txt", "ckpt-notes.txt", "checkpoints", "data/corpus.txt", "tb/my_events.txt"]
+    for m in mine:
+        (out / m).parent.mkdir(exist_ok=True)
+        (out / m).write_text("keep me") if not m.endswith("checkpoints") else (out / m).mkdir()
+    assert main(["train", *as_flags(tiny_sets(corpus, steps0=2, steps1=1)), "--out", str(out), "--quiet",
+                 "--force"]) == 0
+    now = set(os.listdir(out))
+    assert sorted(d for d in now if d.startswith("ckpt-0")) == ["ckpt-000002", "ckpt-000003"]
+    assert os.readlink(out / "checkpoint") == "ckpt-000003"
+    for m in mine:
+        assert (out / m).exists(), m
+    assert not old_events & set(os.listdir(out / "tb"))
+    assert [r["step"] for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r] == [1, 2, 3]
+    assert json.load(open(out / "config.json"))["stages"][0]["steps"] == 2
+
+
+def test_force_with_resume_is_refused(tmp_path, corpus, capsys):
+    assert main(["train", *as_flags(tiny_sets(corpus)), "--out", str(tmp_path), "--resume", "--force"]) == 2
+    _only_error(capsys.readouterr().err, "--resume", "--force")
