@@ -60,40 +60,106 @@ def _rename_layer_key(suffix: str, to_ours: bool) -> str | None:
 
 
 # ------------------------------------------------------------------------------------ config
+# transformers' Glm5NextTextConfig defaults: the value a text-config field has when config.json leaves it out.
+HF_TEXT_DEFAULTS = {
+    "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 45, "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1,
+    "n_routed_experts": 288, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 0, "v_head_dim": 256, "qk_nope_head_dim": 256, "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "hidden_act": "silu", "initializer_range": 0.02,
+    "rms_norm_eps": 1e-5, "pad_token_id": 154820, "attention_bias": False, "index_topk": 2048,
+    "index_head_dim": 128, "index_n_heads": 32, "swiglu_limit": 10.0, "linear_head_dim": 128,
+    "linear_num_heads": 64, "linear_conv_kernel_dim": 4, "linear_lower_bound": -5.0, "hc_mult": 4, "hc_eps": 1e-6,
+    "hc_sinkhorn_iters": 20, "index_kpool": 16, "index_kpool_always_select_tail": True,
+    "mlp_layer_types": None, "layer_types": None, "indexer_types": None,
+}
+# Fields that transformers types as optional: null is a value there; anywhere else it refuses null.
+_HF_NULLABLE = {"pad_token_id", "linear_lower_bound", "mlp_layer_types", "layer_types", "indexer_types"}
+# transformers' legacy layer names (configuration_utils._LEGACY_LAYER_TYPE_REMAP), applied after
+# Glm5NextTextConfig has turned full_attention into indexed_attention: a legacy "attention" stays
+# "full_attention", which its model builds but cannot run.
+_HF_LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention",
+                          "deepseek_sparse_attention": "indexed_attention", "qwen_sparse_attention": "indexed_attention"}
+
+
+def hf_text_config(cfg: dict) -> dict:
+    """The text-model fields of a GLM-5.3-Flash config.json, resolved as transformers' Glm5NextConfig and
+    Glm5NextTextConfig resolve them, so that longctx builds the model transformers builds from the file:
+    - a `text_config` that is present and not null is the text model (an empty one means all defaults);
+      otherwise the top level is (a flat checkpoint);
+    - a field left out takes transformers' default (HF_TEXT_DEFAULTS);
+    - `num_local_experts` is transformers' alias of `n_routed_experts` and, being set after the fields, wins;
+    - `linear_attn_config` keys (head_dim, num_heads, short_conv_kernel_size, gate_lower_bound) override the
+      linear_* fields, and with its `safe_gate` (true unless given) a null lower bound becomes -5;
+    - absent layer schedules get transformers' defaults; full_attention and the legacy DSA names are
+      indexed_attention, mamba is linear_attention;
+    - absent `indexer_types` come from `index_topk_pattern` (an F/S string or a list), else from
+      `index_topk_freq` (default 1) and `index_skip_topk_offset` (default 2).
+    `tie_word_embeddings` is not a text field here: transformers ties the head on the top-level flag
+    (see `hf_ties_head`)."""
+    src = cfg["text_config"] if cfg.get("text_config") is not None else cfg
+    t = dict(HF_TEXT_DEFAULTS)
+    for k, v in src.items():
+        if k in HF_TEXT_DEFAULTS:
+            if v is None and k not in _HF_NULLABLE:
+                raise ConfigError(f"config.json text_config.{k} is null, which transformers refuses too; give it a value or leave it out.")
+            t[k] = v
+    if src.get("num_local_experts") is not None:
+        t["n_routed_experts"] = src["num_local_experts"]
+    n = t["num_hidden_layers"]
+    if t["mlp_layer_types"] is None:
+        t["mlp_layer_types"] = ["dense"] * min(3, n) + ["sparse"] * (n - 3)
+    if t["layer_types"] is None:
+        t["layer_types"] = ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)]
+    t["layer_types"] = [_HF_LEGACY_LAYER_TYPES.get(v, v) for v in
+                        ("indexed_attention" if v == "full_attention" else v for v in t["layer_types"])]
+    if t["indexer_types"] is None:
+        if (pat := src.get("index_topk_pattern")) is not None:
+            if isinstance(pat, str) and set(pat) - set("FS"):
+                raise ConfigError(f"config.json text_config.index_topk_pattern {pat!r} may only use the letters F and S; "
+                                  "give one F (full) or S (shared) per layer.")
+            t["indexer_types"] = [{"F": "full", "S": "shared"}[c] for c in pat] if isinstance(pat, str) else list(pat)
+        else:
+            freq = max(src.get("index_topk_freq", 1), 1)
+            offset = src.get("index_skip_topk_offset", 2)
+            t["indexer_types"] = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if (lin := src.get("linear_attn_config")) is not None:
+        t["linear_head_dim"] = lin.get("head_dim", t["linear_head_dim"])
+        t["linear_num_heads"] = lin.get("num_heads", t["linear_num_heads"])
+        t["linear_conv_kernel_dim"] = lin.get("short_conv_kernel_size", t["linear_conv_kernel_dim"])
+        t["linear_lower_bound"] = lin.get("gate_lower_bound", t["linear_lower_bound"])
+        if lin.get("safe_gate", True) and t["linear_lower_bound"] is None:
+            t["linear_lower_bound"] = -5.0
+    return t
+
+
+def hf_ties_head(cfg: dict) -> bool:
+    """Whether transformers ties `lm_head` to the embedding for this config.json: Glm5NextForConditionalGeneration
+    reads `tie_word_embeddings` of the top-level (multimodal) config, default false; `text_config`'s own flag
+    plays no part. A flat config's flag is that top-level one."""
+    return bool(cfg.get("tie_word_embeddings", False))
+
+
 def config_from_hf(cfg: dict) -> ModelConfig:
-    """Our ModelConfig from a GLM-5.3-Flash config.json (nested text_config or flat)."""
-    t = dict(cfg.get("text_config") or cfg)
-    if (lin := t.get("linear_attn_config")) is not None:
-        t.setdefault("linear_head_dim", lin.get("head_dim", 128))
-        t.setdefault("linear_num_heads", lin.get("num_heads", 64))
-        t.setdefault("linear_conv_kernel_dim", lin.get("short_conv_kernel_size", 4))
-        t.setdefault("linear_lower_bound", lin.get("gate_lower_bound", -5.0))
-
-    def need(name, default=None):
-        if name in t and t[name] is not None:
-            return t[name]
-        if default is not None:
-            return default
-        raise ConfigError(f"config.json lacks text_config.{name}; this is not a GLM-5.3-Flash config (add the field).")
-
-    if int(t.get("qk_rope_head_dim", 0) or 0) > 0:
+    """Our ModelConfig from a GLM-5.3-Flash config.json (nested text_config or flat), field by field the
+    model transformers builds from it (`hf_text_config`, `hf_ties_head`)."""
+    t = hf_text_config(cfg)
+    if int(t["qk_rope_head_dim"] or 0) > 0:
         raise ConfigError(
             f"config.json text_config.qk_rope_head_dim is {t['qk_rope_head_dim']}, but longctx's DSA layers are NoPE; "
             "only checkpoints with qk_rope_head_dim = 0 (GLM-5.3-Flash) can be loaded."
         )
-    if t.get("q_lora_rank") is None:
-        raise ConfigError("config.json text_config.q_lora_rank is null; DSA layers need a q LoRA rank.")
-    if t.get("hidden_act", "silu") != "silu":
+    if t["hidden_act"] != "silu":
         raise ConfigError(f"config.json text_config.hidden_act is {t['hidden_act']!r}; only 'silu' is supported.")
-    if t.get("attention_bias", False):
+    if t["attention_bias"]:
         raise ConfigError("config.json text_config.attention_bias is true; longctx's MLA has no biases.")
-    heads = need("num_attention_heads", 64)
-    if t.get("num_key_value_heads", heads) != heads:
+    heads = t["num_attention_heads"]
+    if t["num_key_value_heads"] != heads:
         raise ConfigError("config.json text_config.num_key_value_heads must equal num_attention_heads for MLA.")
-    n = need("num_hidden_layers", 45)
+    n = t["num_hidden_layers"]
 
-    def pattern(field, mapping, default):
-        vals = t.get(field) or default
+    def pattern(field, mapping):
+        vals = t[field]
         if len(vals) != n:
             raise ConfigError(f"config.json text_config.{field} has {len(vals)} entries for {n} layers; give one per layer.")
         out = []
@@ -106,31 +172,37 @@ def config_from_hf(cfg: dict) -> ModelConfig:
             out.append(mapping[v])
         return "".join(out)
 
-    layer_types = pattern("layer_types", {"linear_attention": "K", "indexed_attention": "D", "full_attention": "D"},
-                          ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)])
-    mlp_types = pattern("mlp_layer_types", {"dense": "d", "sparse": "m"},
-                        ["dense"] * min(3, n) + ["sparse"] * max(0, n - 3))
-    indexer_types = pattern("indexer_types", {"full": "f", "shared": "s"}, ["full"] * n)
-    lower = t.get("linear_lower_bound", -5.0)
+    layer_types = pattern("layer_types", {"linear_attention": "K", "indexed_attention": "D"})
+    mlp_types = pattern("mlp_layer_types", {"dense": "d", "sparse": "m"})
+    # transformers reads indexer_types[i] for layer i and takes anything but "shared" as a full indexer,
+    # so a longer list is fine and only a shorter one is an error.
+    if len(t["indexer_types"]) < n:
+        raise ConfigError(f"config.json text_config.indexer_types has {len(t['indexer_types'])} entries for {n} layers; "
+                          "give one per layer.")
+    indexer_types = "".join("s" if v == "shared" else "f" for v in t["indexer_types"][:n])
+    lower, pad = t["linear_lower_bound"], t["pad_token_id"]
+    if pad is not None and not (isinstance(pad, int) and 0 <= pad < t["vocab_size"]):
+        raise ConfigError(f"config.json text_config.pad_token_id is {pad!r} (an absent field takes transformers' default), "
+                          f"outside the vocabulary of {t['vocab_size']}; set it to a token id below that or to null.")
     return ModelConfig(
-        vocab_size=need("vocab_size"), hidden_size=need("hidden_size"), num_layers=n,
+        vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_layers=n,
         layer_pattern=layer_types, mlp_pattern=mlp_types, indexer_pattern=indexer_types, residual="mhc",
-        rms_norm_eps=float(need("rms_norm_eps", 1e-5)), tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
-        init_std=float(t.get("initializer_range", 0.02)), pad_token_id=t.get("pad_token_id"),
-        kda_heads=need("linear_num_heads", 64), kda_head_dim=need("linear_head_dim", 128),
-        kda_conv_size=need("linear_conv_kernel_dim", 4), kda_gate_lower_bound=None if lower is None else float(lower),
-        attn_heads=heads, q_lora_rank=need("q_lora_rank"), kv_lora_rank=need("kv_lora_rank", 512),
-        qk_nope_head_dim=need("qk_nope_head_dim", 256), v_head_dim=need("v_head_dim", 256),
-        index_heads=need("index_n_heads", 32), index_head_dim=need("index_head_dim", 128),
-        index_topk=need("index_topk", 2048), index_pool=need("index_kpool", 16),
-        index_tail=bool(t.get("index_kpool_always_select_tail", True)),
-        intermediate_size=need("intermediate_size", 12288), moe_intermediate_size=need("moe_intermediate_size", 2048),
-        n_routed_experts=need("n_routed_experts", 288), n_shared_experts=int(t.get("n_shared_experts", 1)),
-        experts_per_token=need("num_experts_per_tok", 8), n_group=int(t.get("n_group", 1) or 1),
-        topk_group=int(t.get("topk_group", 1) or 1), routed_scaling_factor=float(t.get("routed_scaling_factor", 2.5)),
-        norm_topk_prob=bool(t.get("norm_topk_prob", True)), swiglu_limit=float(t.get("swiglu_limit", 10.0)),
-        hc_streams=int(t.get("hc_mult", 4)), hc_sinkhorn_iters=int(t.get("hc_sinkhorn_iters", 20)),
-        hc_eps=float(t.get("hc_eps", 1e-6)), balancer="quantile", indexer_loss=False,
+        rms_norm_eps=float(t["rms_norm_eps"]), tie_word_embeddings=hf_ties_head(cfg),
+        init_std=float(t["initializer_range"]), pad_token_id=t["pad_token_id"],
+        kda_heads=t["linear_num_heads"], kda_head_dim=t["linear_head_dim"],
+        kda_conv_size=t["linear_conv_kernel_dim"], kda_gate_lower_bound=None if lower is None else float(lower),
+        attn_heads=heads, q_lora_rank=t["q_lora_rank"], kv_lora_rank=t["kv_lora_rank"],
+        qk_nope_head_dim=t["qk_nope_head_dim"], v_head_dim=t["v_head_dim"],
+        index_heads=t["index_n_heads"], index_head_dim=t["index_head_dim"],
+        index_topk=t["index_topk"], index_pool=t["index_kpool"],
+        index_tail=bool(t["index_kpool_always_select_tail"]),
+        intermediate_size=t["intermediate_size"], moe_intermediate_size=t["moe_intermediate_size"],
+        n_routed_experts=t["n_routed_experts"], n_shared_experts=t["n_shared_experts"],
+        experts_per_token=t["num_experts_per_tok"], n_group=t["n_group"],
+        topk_group=t["topk_group"], routed_scaling_factor=float(t["routed_scaling_factor"]),
+        norm_topk_prob=bool(t["norm_topk_prob"]), swiglu_limit=float(t["swiglu_limit"]),
+        hc_streams=t["hc_mult"], hc_sinkhorn_iters=t["hc_sinkhorn_iters"],
+        hc_eps=float(t["hc_eps"]), balancer="quantile", indexer_loss=False,
     ).validate()
 
 
@@ -322,6 +394,13 @@ def load_pretrained(path: str, device=None, dtype: torch.dtype | None = None) ->
                if not ((m := re.match(r"model\.language_model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= cfg.num_layers)}
         origin = {}
         sd, unexpected = state_dict_from_hf(raw, cfg, origin)
+        if cfg.tie_word_embeddings and "lm_head.weight" in sd:
+            # transformers ties symmetrically on load: a head without an embedding becomes the embedding, and a
+            # head that differs from the embedding stays a head of its own (untied, with a warning).
+            if "embed.weight" not in sd:
+                sd["embed.weight"] = sd["lm_head.weight"]
+            elif not torch.equal(sd["embed.weight"], sd["lm_head.weight"]):
+                cfg = cfg.replace(tie_word_embeddings=False)
         hf_source = path
     with torch.device("meta"):
         model = LongCtxModel(cfg)
@@ -332,8 +411,50 @@ def load_pretrained(path: str, device=None, dtype: torch.dtype | None = None) ->
         model.lm_head.weight = model.embed.weight
     model.hf_source = hf_source
     if dtype is not None:
-        model.to(dtype)
+        _to_dtype(model, dtype)
     return model
+
+
+# The tensors transformers keeps in fp32 when it loads GLM-5.3-Flash in bf16 or fp16
+# (Glm5NextPreTrainedModel._keep_in_fp32_modules_strict; it has no `_keep_in_fp32_modules`), by our
+# name inside a layer, each with the reason it needs the precision:
+KEEP_FP32 = {
+    # gate.weight: the router's logits are computed in fp32, and top-k over near-tied sigmoid scores
+    # flips expert choices when the weight itself is rounded to bf16.
+    "mlp.router.weight": "gate.weight",
+    # e_score_correction_bias: the balancer moves it in steps far below bf16's resolution at its size.
+    "mlp.router.bias": "gate.e_score_correction_bias",
+    # conv1d: the short conv runs in fp32 (as fla's kernel does); its output is L2-normalised into the
+    # keys and queries of the recurrence, where rounding of the 4 taps would bias every token.
+    "mixer.q_conv.weight": "self_attn.conv1d.weight", "mixer.k_conv.weight": "self_attn.conv1d.weight",
+    "mixer.v_conv.weight": "self_attn.conv1d.weight",
+    # dt_bias, A_log: the forget gate is computed in fp32 and its log-decay is summed over the whole
+    # sequence by the recurrence, so an error in exp(A_log) or the bias compounds with length.
+    "mixer.dt_bias": "self_attn.forget_gate.dt_bias", "mixer.A_log": "self_attn.forget_gate.A_log",
+    # mHC base and scale: the pre/post/comb coefficients (sigmoid, Sinkhorn) are fp32 maths on these
+    # few numbers, and each layer's streams are mixed by them; fp32 costs nothing at this size.
+    "mixer_res.base": "attn_hc.base", "mixer_res.scale": "attn_hc.scale",
+    "mlp_res.base": "ffn_hc.base", "mlp_res.scale": "ffn_hc.scale",
+}
+
+
+def _to_dtype(model: LongCtxModel, dtype: torch.dtype):
+    """`model.to(dtype)`, except that in bf16 or fp16 the KEEP_FP32 tensors stay fp32 (from their fp32
+    values, not a round trip through `dtype`), as transformers loads the same checkpoint."""
+    keep = {}
+    if dtype in (torch.float16, torch.bfloat16):
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            m = re.match(r"layers\.\d+\.(.*)$", name)
+            if m and m.group(1) in KEEP_FP32:
+                keep[name] = t.detach().float().clone()
+    model.to(dtype)
+    for name, t in keep.items():
+        owner, _, attr = name.rpartition(".")
+        mod = model.get_submodule(owner)
+        if attr in mod._parameters:
+            mod._parameters[attr].data = t
+        else:
+            mod._buffers[attr] = t
 
 
 def save_checkpoint_dir(model: LongCtxModel, path: str):

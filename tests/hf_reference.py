@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import torch
 
@@ -53,10 +55,22 @@ def randomize(model: torch.nn.Module, seed: int):
             b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
-def make_checkpoint(path, seed: int = 0, **text_kw) -> Glm5NextForConditionalGeneration:
-    cfg = Glm5NextConfig(text_config=text_config(**text_kw), vision_config=VISION)
+def make_checkpoint(path, seed: int = 0, top: dict | None = None, **text_kw) -> Glm5NextForConditionalGeneration:
+    """A random model saved to `path`; `top` holds fields of the top-level (multimodal) config."""
+    cfg = Glm5NextConfig(text_config=text_config(**text_kw), vision_config=VISION, **(top or {}))
     torch.manual_seed(seed)
     model = Glm5NextForConditionalGeneration(cfg).eval()
     randomize(model, seed)
     model.save_pretrained(str(path))
     return model
+
+
+def edit_config(path, edit) -> dict:
+    """Rewrite `path`/config.json through `edit(dict)` (in place): configs as a hub release might write them."""
+    p = os.path.join(str(path), "config.json")
+    with open(p) as f:
+        cfg = json.load(f)
+    edit(cfg)
+    with open(p, "w") as f:
+        json.dump(cfg, f)
+    return cfg
