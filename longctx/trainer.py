@@ -204,6 +204,7 @@ class Trainer:
         self.before = None
         self.history: list[dict] = []
         self.memory_policy = None
+        self.stage_entered = None  # the stage whose window, mixture and memory plan are in place
         self.stage_estimate_gib = None  # `longctx estimate` of the stage's plan (CUDA only), shown beside each peak
         self._tb = None
 
@@ -365,14 +366,8 @@ class Trainer:
             while self.step < last:
                 si, k = self.stage_at(self.step)
                 stage = self.cfg.stages[si]
-                if k == 0 or self.stream.seq_len != stage.seq_len:
-                    self.stream.set_window(stage.seq_len, stage.batch_size)
-                    if isinstance(self.stream, MixedStream):
-                        mix = stage.data_mix or {"main": 1.0}
-                        self.stream.set_weights([float(mix.get(n, 0.0)) for n in self.source_names])
-                    self.apply_memory(stage)
-                    if not self.quiet:
-                        self.log(f"stage {si}: {stage.steps} steps at {stage.seq_len} tokens x {stage.batch_size}, lr {stage.lr}")
+                if si != self.stage_entered:
+                    self.enter_stage(si)
                 rec = self.train_step(stage, k)
                 self.step += 1
                 self._record(rec)
@@ -408,6 +403,20 @@ class Trainer:
         if self._tb is not None:
             self._tb.close()
         return summary
+
+    def enter_stage(self, si: int):
+        """Set up everything stage `si` sets: the window shape, the data mixture and the memory plan.
+        Keyed by the stage, not by its first step, so a run resumed in the middle of a stage builds
+        the same state as the run that got there without stopping."""
+        stage = self.cfg.stages[si]
+        self.stream.set_window(stage.seq_len, stage.batch_size)
+        if isinstance(self.stream, MixedStream):
+            mix = stage.data_mix or {"main": 1.0}
+            self.stream.set_weights([float(mix.get(n, 0.0)) for n in self.source_names])
+        self.apply_memory(stage)
+        self.stage_entered = si
+        if not self.quiet:
+            self.log(f"stage {si}: {stage.steps} steps at {stage.seq_len} tokens x {stage.batch_size}, lr {stage.lr}")
 
     def apply_memory(self, stage):
         """Apply the stage's memory plan (see longctx.memory); a no-op until a plan is set."""

@@ -116,3 +116,54 @@ def test_force_removes_what_longctx_wrote_and_nothing_else(tmp_path, corpus, cap
 def test_force_with_resume_is_refused(tmp_path, corpus, capsys):
     assert main(["train", *as_flags(tiny_sets(corpus)), "--out", str(tmp_path), "--resume", "--force"]) == 2
     _only_error(capsys.readouterr().err, "--resume", "--force")
+
+
+# ------------------------------------------------------------------------------ resume rebuilds the stage
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+
+
+def _switches(obj, depth=0):
+    """An object's plain settings (and those of the policy objects it holds), for comparing plans."""
+    if isinstance(obj, _PLAIN):
+        return obj
+    if isinstance(obj, (list, tuple)) and all(isinstance(x, _PLAIN) for x in obj):
+        return list(obj)
+    if depth > 2 or isinstance(obj, (torch.Tensor, torch.nn.Module)) or not hasattr(obj, "__dict__"):
+        return type(obj).__name__
+    out = {"type": type(obj).__name__}
+    for k, v in vars(obj).items():
+        if isinstance(v, _PLAIN) or (hasattr(v, "__dict__") and type(v).__module__.startswith("longctx")
+                                     and not isinstance(v, torch.nn.Module)):
+            out[k] = _switches(v, depth + 1)
+    return out
+
+
+def applied_plan(tr: Trainer) -> dict:
+    """What the stage's memory plan and data mix set: every module's plain attributes (block_fn,
+    recompute / offload policies, chunk sizes, kernels), the trainer's step policy, the stream's shape."""
+    mods = {}
+    for name, m in tr.model.named_modules():
+        attrs = {k: _switches(v) for k, v in vars(m).items() if isinstance(v, _PLAIN)}
+        attrs["block_fn"] = _switches(getattr(m, "block_fn", None))
+        mods[name or "model"] = attrs
+    stream = {"seq_len": tr.stream.seq_len, "batch_size": tr.stream.batch_size,
+              "probs": [float(p) for p in getattr(tr.stream, "probs", [])]}
+    return {"modules": mods, "memory_policy": _switches(tr.memory_policy), "stream": stream}
+
+
+def test_resume_mid_stage_rebuilds_the_stage_memory_plan_and_data_mix(tmp_path, corpus):
+    """A fresh run at step 3 (stage 0 runs steps 0..4) against one stopped at 2 and resumed: the same
+    recompute policy, chunk settings and mixture, so the same losses."""
+    extra = ["memory.recompute=on", "memory.offload=off", "memory.loss_chunk=16", "memory.moe_chunk=24",
+             f"data.sources.more={corpus}", "stages.0.data_mix.main=1.0", "stages.1.data_mix.more=1.0"]
+    sets = tiny_sets(corpus, steps0=5, steps1=2, extra=extra)
+    fresh = Trainer(load_train_config(None, None, sets), out_dir=str(tmp_path / "fresh"), quiet=True)
+    fresh.run(stop_after=3)
+    Trainer(load_train_config(None, None, sets), out_dir=str(tmp_path / "resumed"), quiet=True).run(stop_after=2)
+    resumed = Trainer(load_train_config(None, None, sets), out_dir=str(tmp_path / "resumed"), quiet=True)
+    resumed.run(resume=True, stop_after=3)
+    a, b = applied_plan(fresh), applied_plan(resumed)
+    assert a["modules"]["model"]["block_fn"]["type"] == "RecomputePolicy"  # the plan is not the default
+    assert a["stream"]["probs"] == [1.0, 0.0]
+    assert a == b
+    assert max(abs(x - y) for x, y in zip(losses(tmp_path / "fresh"), losses(tmp_path / "resumed"))) <= 1e-6
