@@ -2,12 +2,12 @@
 (ours and liger's) Triton kernels for the H200
 (sm_90) without a GPU and print what ptxas says, with the MMA and atomic instructions the PTX uses.
 
-    python bench/compile_sm90.py
+    python dev/compile_sm90.py
 
 Registers per thread, spilled bytes and shared memory decide how many programs fit on an SM, and they
 can be read before any device time is spent: triton compiles to PTX for a named target and its own
 bundled ptxas assembles it. The configs are the defaults at h200-ref's indexer width (16 heads x 64) and, for the sparse backward,
-16 heads x 512 with K = 2051 (its default loop, bench/NOTES.md).
+16 heads x 512 with K = 2051 (its default loop, docs/design/sparse_attention.md).
 Numbers from a real launch (`LAST_LAUNCH["n_regs"]` on the H200) can differ by a few registers: the
 driver's ptxas there may be another version.
 """
