@@ -254,6 +254,8 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, origin: di
             unexpected.append(key)
             continue
         i, suffix = int(m.group(1)), m.group(2)
+        if cfg.n_shared_experts == 0 and suffix.startswith("mlp.shared_experts.") and t.numel() == 0:
+            continue  # transformers' shared MLP of width moe_intermediate_size * 0: it adds exactly nothing
         if (e := _EXPERT.match(suffix)) is not None:
             experts.setdefault((i, int(e.group(1))), {})[e.group(2)] = t
             continue
@@ -303,6 +305,16 @@ def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
                 if hub is None:
                     raise CheckpointError(f"model tensor {k!r} has no GLM-5.3-Flash equivalent; it cannot be exported.")
                 out[f"{HF_PREFIX}layers.{i}.{hub}"] = t
+    if cfg.n_shared_experts == 0:
+        # transformers always builds a shared MLP, of width 0 here, and saves its empty weights: write them the same
+        for i, kind in enumerate(cfg.mlp_kinds()):
+            if kind == "m":
+                like = sd[f"layers.{i}.mlp.experts.down"]
+                h = like.shape[1]
+                pre = f"{HF_PREFIX}layers.{i}.mlp.shared_experts."
+                out[pre + "gate_proj.weight"] = like.new_zeros(0, h)
+                out[pre + "up_proj.weight"] = like.new_zeros(0, h)
+                out[pre + "down_proj.weight"] = like.new_zeros(h, 0)
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -249,3 +249,34 @@ def test_bf16_load_keeps_the_fp32_tensors_transformers_keeps(tmp_path):
     ids = torch.randint(1, 97, (1, 11), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.isfinite(ours(ids).logits.float()).all()
+
+
+# ---------------------------------------------------------------------------------- shared expert
+def _tensors(path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.mark.parametrize("n_shared", [0, 1])
+def test_shared_experts_roundtrip_exactly(tmp_path, n_shared):
+    """n_shared_experts = 0: transformers saves a zero-width shared MLP; it loads as none and exports back as it was."""
+    make_checkpoint(tmp_path / "hf", seed=9, n_shared_experts=n_shared)
+    hf, ours = _compare_logits(tmp_path / "hf")
+    assert ours.cfg.n_shared_experts == n_shared
+    moe = [b.mlp for b in ours.layers if hasattr(b.mlp, "router")]
+    assert moe and all((m.shared is None) == (n_shared == 0) for m in moe)
+    export_hf(ours, str(tmp_path / "out"))
+    src, out = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
+    assert sorted(src) == sorted(out)
+    for k in src:
+        assert src[k].dtype == out[k].dtype and torch.equal(src[k], out[k]), k
+    back = _hf_reload(tmp_path / "out")
+    ids = torch.randint(1, 97, (1, 13), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, hf(input_ids=ids).logits)
