@@ -86,10 +86,11 @@ def _estimate(a) -> int:
 
 
 def _export(a) -> int:
-    from .hf_interop import export_hf
+    from .hf_interop import check_export_target, export_hf
 
+    check_export_target(a.out, a.force)  # before the (slow) load: a refused target fails at once
     model, _ = _load_model(a.checkpoint, "cpu")
-    export_hf(model, a.out, vision_from=a.vision_from)
+    export_hf(model, a.out, vision_from=a.vision_from, force=a.force)
     print(f"wrote {a.out}")
     return 0
 
@@ -154,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--checkpoint", required=True)
     x.add_argument("--out", required=True)
     x.add_argument("--vision-from", help="a GLM-5.3-Flash directory to copy the vision tower from")
+    x.add_argument("--force", action="store_true",
+                   help="replace --out even when it is a file or a folder that is not empty (it is refused otherwise)")
     x.set_defaults(fn=_export)
     return p
 

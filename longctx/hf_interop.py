@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 import torch
 from safetensors import safe_open
@@ -470,19 +471,35 @@ def _to_dtype(model: LongCtxModel, dtype: torch.dtype):
 
 
 def save_checkpoint_dir(model: LongCtxModel, path: str):
-    """Our own checkpoint layout (weights only), written atomically: temp dir, then rename."""
-    tmp = path.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    write_model_files(model, tmp)
-    _replace_dir(tmp, path)
+    """Our own checkpoint layout (weights only), written atomically through a temporary folder of our
+    own next to `path`, then renamed into place; an existing `path` is replaced."""
+    _write_dir(path, lambda tmp: write_model_files(model, tmp), force=True)
 
 
-def export_hf(model: LongCtxModel, path: str, vision_from: str | None = None):
-    """Write `model` in the GLM-5.3-Flash hub layout so `Glm5NextForConditionalGeneration.from_pretrained`
-    loads it. Vision tensors and config are copied from `vision_from` (default: the directory the model
-    was loaded from, if any); without one, a minimal vision config is written and transformers
-    initialises the (unused) vision tower itself."""
+def check_export_target(path: str, force: bool = False):
+    """Refuse an export target that holds something we did not write: a file (or link) named `path`, or a
+    folder that is not empty, unless `force`. An absent path or an empty folder is fine."""
+    if force or not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise CheckpointError(f"export target {path!r} exists and is not a folder; choose another --out, "
+                              "or pass --force (force=True) to replace it.")
+    if os.listdir(path):
+        raise CheckpointError(f"export target {path!r} is a folder that is not empty; choose another --out, "
+                              "or pass --force (force=True) to replace what is in it.")
+
+
+def export_hf(model: LongCtxModel, path: str, vision_from: str | None = None, force: bool = False):
+    """Write `model` in the GLM-5.3-Flash hub layout. transformers 5.24 loads the folder with
+    `AutoModelForImageTextToText.from_pretrained(path)` (or `Glm5NextForConditionalGeneration` itself);
+    `AutoModelForCausalLM` does not, as transformers maps `glm5_next` to no causal-LM class.
+
+    Vision tensors and config are copied from `vision_from` (default: the directory the model was
+    loaded from, if any); without one, a minimal vision config is written and transformers initialises
+    the (unused) vision tower itself. A `path` that exists as a file or a non-empty folder is refused
+    (CheckpointError) unless `force`, which replaces it; the files go to a temporary folder of our own
+    next to `path` that is renamed into place once complete, so nothing else there is touched."""
+    check_export_target(path, force)
     vision_from = vision_from or getattr(model, "hf_source", None)
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings:
@@ -500,21 +517,47 @@ def export_hf(model: LongCtxModel, path: str, vision_from: str | None = None):
     else:
         config["vision_config"] = {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32,
                                    "out_hidden_size": model.cfg.hidden_size, "projection_intermediate_size": 32}
-    tmp = path.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_file(hf, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    _replace_dir(tmp, path)
+
+    def write(tmp):
+        save_file(hf, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+
+    _write_dir(path, write, force)
 
 
-def _replace_dir(tmp: str, path: str):
-    if os.path.exists(path):
-        old = path.rstrip("/") + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, path)
+def _write_dir(path: str, write, force: bool):
+    """`write(tmp)` into a fresh, uniquely named folder next to `path`, then rename it to `path`. Without
+    `force` only an absent path or an empty folder is replaced (a rename onto anything else fails, so a
+    target that filled up meanwhile is not lost); with it, the old `path` is moved into a second folder
+    of our own and removed only after the new one is in place."""
+    target = os.path.abspath(path)
+    parent, base = os.path.split(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{base}.", suffix=".partial", dir=parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
+        write(tmp)
+        replace = os.path.lexists(target) and not (
+            os.path.isdir(target) and not os.path.islink(target) and not os.listdir(target))
+        if not replace:
+            os.rename(tmp, target)
+            return
+        if not force:
+            raise CheckpointError(f"export target {path!r} was filled while the export was written; "
+                                  "choose another --out, or pass --force (force=True) to replace it.")
+        holder = tempfile.mkdtemp(prefix=f".{base}.", suffix=".old", dir=parent)
+        old = os.path.join(holder, "old")
+        os.rename(target, old)
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(old, target)  # the old one goes back where it was
+            os.rmdir(holder)
+            raise
+        shutil.rmtree(holder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

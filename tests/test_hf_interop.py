@@ -280,3 +280,105 @@ def test_shared_experts_roundtrip_exactly(tmp_path, n_shared):
     ids = torch.randint(1, 97, (1, 13), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         assert torch.equal(back(input_ids=ids).logits, hf(input_ids=ids).logits)
+
+
+# ---------------------------------------------------------------------------------- Auto class
+def test_auto_image_text_to_text_loads_an_export(tmp_path):
+    """The class export_hf's docstring names loads the export and computes our logits."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    import longctx
+
+    model = longctx.build_model(longctx.preset("tiny")).eval()
+    export_hf(model, str(tmp_path / "out"))
+    back = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "out")).eval()
+    assert type(back) is Glm5NextForConditionalGeneration
+    ids = torch.randint(1, 97, (2, 21), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        _assert_logits_close(back(input_ids=ids).logits, model(ids).logits)
+    with pytest.raises(ValueError, match="AutoModelForCausalLM"):  # as the docstring says
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+
+
+# ---------------------------------------------------------------------------------- export target
+@pytest.fixture
+def own_checkpoint(tmp_path):
+    import longctx
+
+    model = longctx.build_model(longctx.preset("tiny")).eval()
+    longctx.save_checkpoint_dir(model, str(tmp_path / "ck"))
+    return model, str(tmp_path / "ck")
+
+
+def _export_cli(ck, out, *extra):
+    from longctx.cli import main
+
+    return main(["export", "--checkpoint", ck, "--out", str(out), *extra])
+
+
+def test_export_refuses_a_non_empty_folder(tmp_path, own_checkpoint, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert _export_cli(own_checkpoint[1], out) == 2
+    err = capsys.readouterr()
+    assert "wrote" not in err.out and err.err.startswith("error: ") and "--force" in err.err
+    assert err.err.count("\n") == 1
+    assert sorted(os.listdir(out)) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["ck", "out"]  # no temporary folder left behind
+
+
+def test_export_refuses_a_file(tmp_path, own_checkpoint, capsys):
+    out = tmp_path / "out"
+    out.write_text("mine")
+    assert _export_cli(own_checkpoint[1], out) == 2
+    assert "--force" in capsys.readouterr().err
+    assert out.is_file() and out.read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["ck", "out"]
+
+
+def test_export_leaves_siblings_alone(tmp_path, own_checkpoint, capsys):
+    for sib in ("out.tmp", "out.old"):
+        (tmp_path / sib).mkdir()
+        (tmp_path / sib / "keep.txt").write_text(sib)
+    (tmp_path / "empty").mkdir()
+    assert _export_cli(own_checkpoint[1], tmp_path / "out") == 0
+    assert _export_cli(own_checkpoint[1], tmp_path / "empty") == 0  # an empty folder is ours to fill
+    assert "wrote" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == ["ck", "empty", "out", "out.old", "out.tmp"]
+    for sib in ("out.tmp", "out.old"):
+        assert (tmp_path / sib / "keep.txt").read_text() == sib
+    for d in ("out", "empty"):
+        assert sorted(os.listdir(tmp_path / d)) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_export_force_replaces(tmp_path, own_checkpoint, kind):
+    model, ck = own_checkpoint
+    out = tmp_path / "out"
+    if kind == "folder":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    else:
+        out.write_text("mine")
+    assert _export_cli(ck, out, "--force") == 0
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["ck", "out"]
+    back = _hf_reload(out)
+    ids = torch.randint(1, 97, (1, 15), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        _assert_logits_close(back(input_ids=ids).logits, model(ids).logits)
+
+
+def test_export_hf_force_kwarg(tmp_path):
+    import longctx
+
+    from longctx.errors import CheckpointError
+
+    model = longctx.build_model(longctx.preset("tiny")).eval()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="not empty"):
+        export_hf(model, str(tmp_path / "out"))
+    export_hf(model, str(tmp_path / "out"), force=True)
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
