@@ -383,7 +383,10 @@ def _check_keys(model: LongCtxModel, sd: dict, unexpected: list[str], path: str,
 
 
 def load_pretrained(path: str, device=None, dtype: torch.dtype | None = None) -> LongCtxModel:
-    """A GLM-5.3-Flash directory (transformers layout) or a longctx checkpoint -> LongCtxModel."""
+    """A GLM-5.3-Flash directory (transformers layout) or a longctx checkpoint -> LongCtxModel.
+
+    The config is read as transformers reads it (`config_from_hf`), and the head is tied as transformers
+    ties it. With `dtype` bf16 or fp16, the tensors of KEEP_FP32 stay fp32, as in transformers."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint path {path!r} is not a directory; pass the folder holding config.json and the .safetensors files.")
     if os.path.exists(os.path.join(path, OUR_CONFIG)):
@@ -429,8 +432,8 @@ def load_pretrained(path: str, device=None, dtype: torch.dtype | None = None) ->
 
 
 # The tensors transformers keeps in fp32 when it loads GLM-5.3-Flash in bf16 or fp16
-# (Glm5NextPreTrainedModel._keep_in_fp32_modules_strict; it has no `_keep_in_fp32_modules`), by our
-# name inside a layer, each with the reason it needs the precision:
+# (Glm5NextPreTrainedModel._keep_in_fp32_modules_strict; it has no `_keep_in_fp32_modules`): our name
+# inside a layer -> transformers' name there, each with the reason it needs the precision:
 KEEP_FP32 = {
     # gate.weight: the router's logits are computed in fp32, and top-k over near-tied sigmoid scores
     # flips expert choices when the weight itself is rounded to bf16.
