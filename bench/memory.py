@@ -316,6 +316,8 @@ class Bench:
         self.path = self.out / "memory.json"
         self.res = self._load() if args.resume else {}
         self.res.update(self._header())
+        # every run and section carries the invocation that measured it (a --resume file mixes invocations)
+        self.stamp = {k: self.res[k] for k in ("gpu", "command", "date", "commit", "torch", "triton")}
         self.res.setdefault("invocations", []).append({k: self.res[k] for k in ("command", "date", "commit")})
         self.res.setdefault("runs", [])
 
@@ -569,7 +571,7 @@ class Bench:
                 if (name, S) in done:
                     continue
                 plan = CONFIGS[name](base)
-                rec = {"config": name, "seq_len": S, "plan": plan.to_dict(), **self.estimate(plan, S)}
+                rec = {"config": name, "seq_len": S, **self.stamp, "plan": plan.to_dict(), **self.estimate(plan, S)}
                 if name != "all_on" and effective(plan) == effective(base):
                     rec["status"] = "same_as_all_on"
                 elif name in oom_at and S > oom_at[name]:
@@ -597,7 +599,7 @@ class Bench:
                 break
             best, S = S, 2 * S
         pred = estimated_max_context(self.cfg, plan, start, 64 * cap, self.dev.gpu_key, self.act_bytes)
-        self.res["baseline_max_context"] = {"max_ok": best, "estimate_max": pred, "attempts": attempts}
+        self.res["baseline_max_context"] = {**self.stamp, "max_ok": best, "estimate_max": pred, "attempts": attempts}
         self.save()
 
     OFFLOAD_MODES = {"pinned": (True, False), "pinned_kept": (True, True), "pageable": (False, False), "no_offload": None}
@@ -608,7 +610,7 @@ class Bench:
         if self.args.resume and "offload_pinned_vs_pageable" in self.res:
             return
         base = dataclasses.replace(self.all_on(S), recompute="on", offload=str(self.cfg.num_layers))
-        out = {"seq_len": S, "offload_blocks": self.cfg.num_layers, "host_buffers": "exact-size page-locked"}
+        out = {**self.stamp, "seq_len": S, "offload_blocks": self.cfg.num_layers, "host_buffers": "exact-size page-locked"}
         self.res["offload_pinned_vs_pageable"] = out
         for name in modes:
             if self.OFFLOAD_MODES[name] is None:
@@ -659,7 +661,7 @@ class Bench:
         plan = dataclasses.replace(self.all_on(S), recompute="on", offload=str(self.cfg.num_layers))
         rss, pinned = [], []
         r = self.measure(plan, S, steps, after_step=lambda: (rss.append(host_rss_gib()), pinned.append(pinned_host_gib())))
-        self.res["host_memory_with_offload"] = {
+        self.res["host_memory_with_offload"] = {**self.stamp,
             "seq_len": S, "host_buffers": "exact-size page-locked", "steps": len(rss), "status": r["status"], "rss_gib": rss, "pinned_gib": pinned,
             "step_s": r.get("step_s_all"), "plan": plan.to_dict(), "offloaded_gib_per_step": r.get("offloaded_gib"),
             "rss_growth_gib": (rss[-1] - rss[0]) if rss else None}
