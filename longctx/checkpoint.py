@@ -120,6 +120,12 @@ def load(path: str, model, optimizer=None, device=None) -> dict:
         sd = load_file(os.path.join(ck, "model.safetensors"), device=str(device or "cpu"))
     except Exception as exc:
         raise CheckpointError(f"checkpoint {ck!r} is corrupt ({type(exc).__name__}: {exc}); resume from an earlier ckpt-* folder or start afresh.") from None
+    own = model.state_dict()
+    shapes = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in sd.items() if k in own and v.shape != own[k].shape]
+    if shapes:
+        raise CheckpointError(
+            f"checkpoint {ck!r} does not match the model (checkpoint vs model shapes: {'; '.join(shapes[:3])}); "
+            "resume with the same model settings it was written with.")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.cfg.tie_word_embeddings)]
     if missing or unexpected:

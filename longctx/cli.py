@@ -14,11 +14,16 @@ import sys
 
 def _train(a) -> int:
     from .train_config import load_train_config
-    from .trainer import Trainer, check_out_dir
+    from .trainer import Trainer, check_out_dir, resume_config
 
-    cfg = load_train_config(a.config, a.preset, a.set or [])
-    if a.out:
-        cfg.out_dir = a.out
+    if a.resume:  # the run's saved config, with only what the flags may change on resume changed
+        out = a.out or load_train_config(a.config, a.preset, a.set or []).out_dir
+        check_out_dir(out, a.resume, a.force)
+        cfg = resume_config(out, a.config, a.preset, a.set or [])
+    else:
+        cfg = load_train_config(a.config, a.preset, a.set or [])
+        if a.out:
+            cfg.out_dir = a.out
     if a.print_config:
         print(cfg.to_toml())
         return 0
@@ -107,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting, e.g. model.hidden_size=256 or stages.0.steps=10")
     t.add_argument("--out", help="output directory (default: out_dir of the config)")
     t.add_argument("--print-config", action="store_true", help="print the resolved, validated config and exit")
-    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    t.add_argument("--resume", action="store_true", help="continue the run in OUT from its checkpoint, with its saved config "
+                   "(--set may change only stages.N.steps, eval_every, ckpt_every and log_every)")
     t.add_argument("--force", action="store_true", help="start afresh in an OUT that holds a run: delete its checkpoints, "
                    "metrics, config.json, summary, plots and TensorBoard events (nothing else)")
     t.add_argument("--max-steps", type=int, help="stop (with a checkpoint) after this many steps in total")

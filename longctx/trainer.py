@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import sys
@@ -145,6 +146,112 @@ def check_out_dir(out: str, resume: bool, force: bool) -> None:
                              "TensorBoard events).")
 
 
+# ---------------------------------------------------------------------- resuming with the run's own config
+# What a resume may change: how long the stages run and how often the run logs, evaluates and
+# checkpoints. Everything else (model, data, window lengths, schedules, memory plan, kernels, seed)
+# stays as the run was started, so the resumed run continues the same training.
+RESUMABLE = re.compile(r"stages\.\d+\.steps|log_every|eval_every|ckpt_every")
+RESUMABLE_SAID = "stages.N.steps, eval_every, ckpt_every and log_every"
+_UNSET = object()
+
+
+def read_run_config(out: str) -> tuple[dict, str]:
+    """The run's saved config: OUT/config.json, else its checkpoint's copy. Returns (dict, path)."""
+    paths = [os.path.join(out, "config.json")]
+    if os.path.lexists(os.path.join(out, ckpt.LINK)):
+        paths.append(os.path.join(os.path.realpath(os.path.join(out, ckpt.LINK)), "train_config.json"))
+    for path in paths:
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    return json.load(f), path
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise RunFolderError(f"--resume: {path} is unreadable ({type(exc).__name__}: {exc}); restore it, or "
+                                     "delete it to resume with the checkpoint's copy of the config.") from None
+    raise RunFolderError(f"--resume: --out {out} holds no config.json and no checkpoint; check the folder, or drop "
+                         "--resume to start a run in it.")
+
+
+def _flat(v, key: str = "") -> dict:
+    """Dotted keys -> values (stages.0.seq_len); lists of numbers and empty tables stay whole."""
+    if isinstance(v, dict) and v:
+        items = v.items()
+    elif isinstance(v, list) and any(isinstance(x, dict) for x in v):
+        items = enumerate(v)
+    else:
+        return {key: v}
+    out = {}
+    for k, x in items:
+        out.update(_flat(x, f"{key}.{k}" if key else str(k)))
+    return out
+
+
+def _trained_per_stage(stage_steps: list[int], step: int) -> list[int]:
+    out, start = [], 0
+    for n in stage_steps:
+        out.append(min(max(step - start, 0), n))
+        start += n
+    return out
+
+
+def resume_changes(saved: dict, cfg: TrainConfig, step: int | None, where: str = "config.json") -> list[str]:
+    """How `cfg` differs from the run's saved config, as "key: old -> new" lines. A difference in a
+    setting outside RESUMABLE, or a stages.N.steps that would move steps the checkpoint (at `step`)
+    has already trained into another stage, is a RunFolderError."""
+    old = _flat({k: v for k, v in TrainConfig.from_dict(saved).to_dict().items() if k != "out_dir"})
+    new = _flat({k: v for k, v in cfg.to_dict().items() if k != "out_dir"})
+    changes = []
+    for key in [*new, *(k for k in old if k not in new)]:
+        a, b = old.get(key, _UNSET), new.get(key, _UNSET)
+        if a == b or (a is _UNSET and b in ({}, [])) or (b is _UNSET and a in ({}, [])):
+            continue
+        said = [("unset" if x is _UNSET else json.dumps(x)) for x in (a, b)]
+        if _UNSET in (a, b) or not RESUMABLE.fullmatch(key):
+            raise RunFolderError(
+                f"--resume: {key} is {said[0]} in the run's saved config ({where}) but {said[1]} now; leave it out "
+                f"to resume the run as it was (only {RESUMABLE_SAID} may change on resume), or train with it in a "
+                "new --out.")
+        changes.append(f"{key}: {said[0]} -> {said[1]}")
+    if step is not None:
+        before = _trained_per_stage([s["steps"] for s in saved["stages"]], step)
+        after = _trained_per_stage([s.steps for s in cfg.stages], step)
+        for i, (x, y) in enumerate(zip(before, after)):
+            if x != y:
+                raise RunFolderError(
+                    f"--resume: stages.{i}.steps={cfg.stages[i].steps} would change the {x} steps the checkpoint "
+                    f"(step {step}) has trained in stage {i}; change only the steps of the stage it is in and later "
+                    "ones, to at least what they have trained.")
+    return changes
+
+
+def resume_config(out: str, config_file: str | None = None, preset: str | None = None, sets=()) -> TrainConfig:
+    """The config to resume the run in `out` with: its saved config, with what --config / --preset /
+    --set give laid over it; refused (RunFolderError) where that changes more than RESUMABLE."""
+    from .train_config import _assign, _check_keys, _merge, _read_config_file, _split_set
+
+    saved, where = read_run_config(out)
+    raw = _read_config_file(config_file) if config_file else {}
+    _check_keys(raw, "")
+    pairs = [_split_set(s) for s in sets]
+    d = json.loads(json.dumps(saved))
+    name = raw.pop("preset", None)
+    name = preset if preset is not None else name
+    for k, v in pairs:
+        name = v if k == "preset" else name
+    if name is not None:
+        d["preset"] = name
+    _merge(d, raw)
+    for k, v in pairs:
+        if k != "preset":
+            _assign(d, k, v)
+    d["out_dir"] = out
+    cfg = TrainConfig.from_dict(d)
+    link = os.path.join(out, ckpt.LINK)
+    step = ckpt.step_of_name(os.path.basename(os.path.realpath(link))) if os.path.lexists(link) else None
+    resume_changes(saved, cfg, step, where)
+    return cfg
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, out_dir: str | None = None, quiet: bool = False, log=print):
         self.cfg = cfg
@@ -236,7 +343,14 @@ class Trainer:
         return path
 
     def resume(self):
+        """Continue from OUT/checkpoint. self.cfg may differ from the run's saved config only in
+        RESUMABLE settings (logged); anything else is refused before the run folder changes."""
+        if not os.path.isdir(os.path.join(self.out, ckpt.LINK)):
+            raise RunFolderError(f"--resume: --out {self.out} has no checkpoint (the run stopped before writing one, or "
+                                 "its checkpoint link points nowhere); start the run afresh with --force.")
+        saved, where = read_run_config(self.out)
         st = ckpt.load(self.out, self.model, self.opt, device=self.device)
+        changes = resume_changes(saved, self.cfg, st.get("step", 0), where)
         self.step = st.get("step", 0)
         self.stream.load_state_dict(st["data"])
         self.before = st.get("before")
@@ -251,6 +365,8 @@ class Trainer:
             self.history = recs
         if not self.quiet:
             self.log(f"resumed from step {self.step}")
+        for c in changes:  # said even when quiet: the run now differs from how it was started
+            self.log(f"resume changes {c}")
 
     def _eval_forward(self):
         """The sequence-chunked forward when the memory plan trains the evaluation length in chunks

@@ -167,3 +167,64 @@ def test_resume_mid_stage_rebuilds_the_stage_memory_plan_and_data_mix(tmp_path, 
     assert a["stream"]["probs"] == [1.0, 0.0]
     assert a == b
     assert max(abs(x - y) for x, y in zip(losses(tmp_path / "fresh"), losses(tmp_path / "resumed"))) <= 1e-6
+
+
+# ------------------------------------------------------------------------------ --resume takes the run's config
+def _train_cli(corpus, out, *args, sets=None):
+    flags = as_flags(tiny_sets(corpus) if sets is None else sets)
+    return main(["train", *flags, "--out", str(out), *args])
+
+
+def test_resume_with_no_flags_continues_with_the_runs_config(tmp_path, corpus, capsys):
+    sets = tiny_sets(corpus, steps0=4, steps1=2, extra=["stages.1.seq_len=48"])
+    assert main(["train", *as_flags(sets), "--out", str(tmp_path / "whole"), "--quiet"]) == 0
+    assert main(["train", *as_flags(sets), "--out", str(tmp_path / "run"), "--quiet", "--max-steps", "3"]) == 0
+    saved = json.load(open(tmp_path / "run" / "config.json"))
+    assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--quiet"]) == 0
+    assert json.load(open(tmp_path / "run" / "config.json")) == saved
+    recs = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
+    assert [r["seq_len"] for r in recs] == [32] * 4 + [48] * 2
+    a, b = losses(tmp_path / "whole"), losses(tmp_path / "run")
+    assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-6
+
+
+@pytest.mark.parametrize("flags,setting", [(["--set", "stages.0.seq_len=48"], "stages.0.seq_len"),
+                                           (["--set", "model.hidden_size=48"], "model.hidden_size"),
+                                           (["--preset", "small"], "preset"),
+                                           (["--set", "stages.2.seq_len=96", "--set", "stages.2.steps=1",
+                                             "--set", "stages.2.lr=1e-3"], "stages.2"),
+                                           (["--set", "stages.0.steps=5"], "stages.0.steps")])
+def test_resume_refuses_a_setting_that_differs_from_the_run(tmp_path, corpus, capsys, flags, setting):
+    out = tmp_path / "run"
+    assert _train_cli(corpus, out, "--quiet", "--max-steps", "5") == 0  # stage 1, one step in
+    capsys.readouterr()
+    before = {n: open(out / n, "rb").read() for n in ("config.json", "metrics.jsonl")}
+    assert main(["train", "--out", str(out), "--resume", *flags]) == 2
+    _only_error(capsys.readouterr().err, setting, "--resume")
+    assert {n: open(out / n, "rb").read() for n in before} == before
+
+
+def test_resume_applies_and_logs_the_settings_that_may_change(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    assert _train_cli(corpus, out, "--quiet", "--max-steps", "5") == 0
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "--set", "stages.1.steps=4", "--set", "log_every=2",
+                 "--set", "ckpt_every=2", "--set", "eval_every=3"]) == 0
+    said = capsys.readouterr().out
+    for change in ("stages.1.steps: 2 -> 4", "log_every: 1 -> 2", "ckpt_every: 0 -> 2", "eval_every: 0 -> 3"):
+        assert change in said, said
+    saved = json.load(open(out / "config.json"))
+    assert (saved["stages"][1]["steps"], saved["log_every"], saved["ckpt_every"], saved["eval_every"]) == (4, 2, 2, 3)
+    recs = list(map(json.loads, open(out / "metrics.jsonl")))
+    assert [r["step"] for r in recs if "loss" in r] == list(range(1, 9))
+    assert [r["step"] for r in recs if r.get("eval", "").startswith("step")] == [6]
+    assert [ln.split("|")[0].split()[1] for ln in said.splitlines() if ln.startswith("step ")] == ["6", "8"]
+
+
+def test_a_checkpoint_of_another_shape_is_a_checkpoint_error(tmp_path):
+    from longctx.errors import CheckpointError
+
+    ckpt.save(str(tmp_path), 1, LongCtxModel(preset("tiny")), None, {}, {})
+    other = LongCtxModel(preset("tiny").replace(hidden_size=2 * preset("tiny").hidden_size))
+    with pytest.raises(CheckpointError, match="does not match the model"):
+        ckpt.load(str(tmp_path), other)
