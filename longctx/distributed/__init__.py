@@ -10,11 +10,13 @@ gradients (the gradient reduction runs over dp x cp).
 from .dsa_cp import dsa_cp_bytes, dsa_cp_forward
 from .kda_cp import MODES as KDA_CP_MODES
 from .kda_cp import kda_chunk_state, kda_cp_bytes, kda_cp_forward, kda_hidden_gather, kda_qkv_a2a
-from .mesh import ParallelConfig, build_mesh, cp_group, cp_rank, cp_size, dp_group, dp_rank, init_distributed
+from .mesh import (CPContext, ParallelConfig, build_mesh, cp_context, cp_group, cp_rank, cp_size, dp_group, dp_rank,
+                   init_distributed)
 from .zigzag import LAYOUTS, check_seq_len, positions, segments, shard, unshard
 
 __all__ = [
-    "KDA_CP_MODES", "LAYOUTS", "ParallelConfig", "build_mesh", "check_seq_len", "cp_group", "cp_rank", "cp_size",
-    "dp_group", "dp_rank", "dsa_cp_bytes", "dsa_cp_forward", "init_distributed", "kda_chunk_state", "kda_cp_bytes",
-    "kda_cp_forward", "kda_hidden_gather", "kda_qkv_a2a", "positions", "segments", "shard", "unshard",
+    "CPContext", "KDA_CP_MODES", "LAYOUTS", "ParallelConfig", "build_mesh", "check_seq_len", "cp_context", "cp_group",
+    "cp_rank", "cp_size", "dp_group", "dp_rank", "dsa_cp_bytes", "dsa_cp_forward", "init_distributed",
+    "kda_chunk_state", "kda_cp_bytes", "kda_cp_forward", "kda_hidden_gather", "kda_qkv_a2a", "positions", "segments",
+    "shard", "unshard",
 ]

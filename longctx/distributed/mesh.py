@@ -108,6 +108,25 @@ def build_mesh(world: int, cfg: ParallelConfig, device_type: str | None = None):
     return init_device_mesh(device_type, (cfg.dp, cfg.cp), mesh_dim_names=MESH_DIMS)
 
 
+@dataclass
+class CPContext:
+    """What a layer needs to run under context parallelism: its cp group, this rank's place in it,
+    the KDA mode and the layout of the tokens between layers (a layer holding one runs its CP form)."""
+
+    group: object
+    size: int
+    rank: int
+    kda_cp: str = "hidden_gather"
+    layout: str = "zigzag"
+
+
+def cp_context(mesh, cfg: ParallelConfig) -> CPContext | None:
+    """The CPContext of this rank on `mesh`, or None without context parallelism (cp == 1)."""
+    if cfg.cp == 1:
+        return None
+    return CPContext(group=cp_group(mesh), size=cp_size(mesh), rank=cp_rank(mesh), kda_cp=cfg.kda_cp)
+
+
 def cp_group(mesh):
     """The process group of this rank's cp ranks (the ranks sharing its sequences)."""
     return mesh.get_group("cp")

@@ -83,11 +83,15 @@ def check_round_trip(rank: int, world: int) -> dict:
 
 
 def check_mesh(rank: int, world: int) -> tuple:
-    from longctx.distributed import build_mesh, cp_group, cp_rank, cp_size, dp_rank
+    from longctx.distributed import build_mesh, cp_context, cp_group, cp_rank, cp_size, dp_rank
 
-    mesh = build_mesh(world, ParallelConfig(cp=2))
+    cfg = ParallelConfig(cp=2, kda_cp="qkv_a2a")
+    mesh = build_mesh(world, cfg)
     mates = [torch.zeros(1, dtype=torch.long) for _ in range(2)]
     dist.all_gather(mates, torch.tensor([rank]), group=cp_group(mesh))
+    ctx = cp_context(mesh, cfg)
+    assert (ctx.size, ctx.rank, ctx.kda_cp, ctx.layout) == (2, cp_rank(mesh), "qkv_a2a", "zigzag")
+    assert cp_context(build_mesh(world, ParallelConfig()), ParallelConfig()) is None
     return tuple(mesh.mesh.shape), cp_size(mesh), cp_rank(mesh), dp_rank(mesh), [int(m) for m in mates]
 
 
