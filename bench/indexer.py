@@ -47,7 +47,7 @@ from longctx.ops.indexer import triton_kernel as tk
 from longctx.ops.indexer.two_phase import kth_scores_triton
 
 P = 4
-MMA_PEAK = 778e12  # measured dense bf16 matmul rate on the H200 (bench/NOTES.md)
+MMA_PEAK = 778e12  # the H200's dense bf16 matmul rate (docs/benchmarks.md, MFU)
 GIB = 1 << 30
 
 
