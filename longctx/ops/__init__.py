@@ -19,6 +19,39 @@ def int32_rows(row_elements: int) -> int:
     return max(1, INT32_ELEMENTS // row_elements)
 
 
+# fp32 means fp32. longctx's own Triton kernels take the dots of fp32 inputs at full precision
+# (input_precision "ieee"; Triton's default for fp32 is TF32, 10-bit mantissas), whatever torch's switches
+# say: their fp32 runs are the exact references of the GPU tests. A library kernel with no fp32 mode says so
+# (`warn_tf32`) unless the user has let fp32 matmuls take TF32 (`tf32_allowed`), the one switch longctx reads.
+
+
+def tf32_allowed() -> bool:
+    """Whether the user lets fp32 matrix products take TF32: torch.backends.cuda.matmul's switch (allow_tf32,
+    or fp32_precision "tf32"), off by default."""
+    import torch
+
+    m = torch.backends.cuda.matmul
+    try:
+        return bool(m.allow_tf32)
+    except RuntimeError:  # torch refuses the legacy read after a mix of its two APIs; the new one answers
+        return m.fp32_precision == "tf32"
+
+
+def warn_tf32(op: str, fix: str, *tensors) -> None:
+    """`op` takes the products of fp32 inputs through TF32 (about 3e-4 relative error, against fp32's 1e-7)
+    and has no fp32 mode: said once per message (RuntimeWarning, errors.warn_fallback) where one of `tensors`
+    is fp32 and the user has not allowed TF32 (`tf32_allowed`). Never silent: the fp32 that was asked for
+    is not what runs."""
+    import torch
+
+    from ..errors import warn_fallback
+
+    if any(t.dtype == torch.float32 for t in tensors) and not tf32_allowed():
+        warn_fallback(f"{op} takes fp32 inputs' products in TF32 (10-bit mantissas, about 3e-4 relative error "
+                      f"where fp32 gives 1e-7): {fix}; or allow TF32 (torch.backends.cuda.matmul.allow_tf32 = True) "
+                      "to accept it.")
+
+
 FUSED_IMPLS = ("auto", "torch", "triton")  # the settings norm_impl and swiglu_impl
 
 

@@ -47,7 +47,7 @@ import functools
 import torch
 
 from ..errors import ConfigError
-from . import int32_rows
+from . import int32_rows, warn_tf32
 from . import triton_interpreting as interpreting
 from .fused_loss import LIGER_MIN_VERSION, liger_import_error
 
@@ -142,6 +142,11 @@ def liger_mhc_coefficients(streams: torch.Tensor, fn: torch.Tensor, base: torch.
     lead, (n, D) = streams.shape[:-2], streams.shape[-2:]
 
     ours = projection(n) == "triton"
+    if not ours:
+        warn_tf32("mHC: liger-kernel's coefficient projection (liger_mhc_coeffs, which runs for hc_streams > "
+                  f"{PROJECT_MAX_STREAMS} or mhc_liger.PROJECTION = 'liger')",
+                  "its Triton dot keeps tl.dot's default precision; set residual_impl = 'torch' for fp32 products",
+                  streams)
 
     def coeffs(x):
         if ours:

@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from .. import warn_tf32
+
 __all__ = ["fla_available", "fla_causal_conv1d", "fla_chunk_kda", "fla_recurrent_kda"]
 
 
@@ -74,6 +76,9 @@ def fla_chunk_kda(
     from fla.ops.kda import chunk_kda
 
     _require(q)
+    warn_tf32("KDA: fla-core's chunk_kda (KDA backend 'fla', auto's choice on CUDA; forward and backward)",
+              "its Triton dots keep tl.dot's default precision; set the KDA backend to 'torch' (model.plain_torch() "
+              "sets every switch) for fp32 products", q, k, v)
     if chunk_size not in (32, 64):
         raise ValueError(f"the fla KDA kernel takes chunk_size 32 or 64; got {chunk_size}. Set model.kda_chunk_size to 64.")
     if q.shape[-1] > 256:
