@@ -205,7 +205,7 @@ def table() -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
-BENCHMARKS = ("sparse_attention", "indexer", "kda", "fused_loss", "mhc", "host_buffers", "memory")
+BENCHMARKS = ("sparse_attention", "indexer", "kda", "fused_loss", "mhc", "host_buffers", "memory", "fp32_parity")
 MEMORY_SECTIONS = ("baseline_max_context", "offload_pinned_vs_pageable", "host_memory_with_offload")
 
 

@@ -4,8 +4,8 @@
 #   bash dev/run_h200.sh tests e2e           # the GPU test files below, then the 128k end-to-end check
 #   bash dev/run_h200.sh sparse indexer kda  # kernel benchmarks: bench/<name>.py --out $OUT
 #   bash dev/run_h200.sh step1m              # 8k warm-up, one 1M-token step, baseline's longest context, host memory
-# Parts: tests e2e sparse indexer kda mhc fused_loss hostbuf memory step1m offload profile peak host switches
-# variants, and kernels (= tests e2e kda) and extras (= offload switches). Results go to $OUT (the device
+# Parts: tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload profile peak host
+# switches variants, and kernels (= tests e2e kda) and extras (= offload switches). Results go to $OUT (the device
 # tool's, else bench/out/h200); each benchmark writes its JSON there (bench/results/<name>.json is the
 # tracked copy the README's table reads: copy a run's JSON over it, then `python bench/make_table.py --write`).
 # Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh fetches them).
@@ -16,7 +16,8 @@ set -u
 # such as `mhc` means tests/test_gpu_mhc.py); E2E_TEST is the `e2e` part's, left out of `tests` (~250 s).
 GPU_TEST_FILES="tests/test_gpu_fused_loss.py tests/test_gpu_indexer.py tests/test_gpu_kda.py tests/test_gpu_mhc.py
   tests/test_gpu_mhc_project.py tests/test_gpu_norms.py tests/test_gpu_swiglu.py tests/test_gpu_sequence_chunks.py
-  tests/test_gpu_sparse_attention.py tests/test_gpu_test_logic.py tests/test_gpu_int32.py tests/test_gpu_host_buffers.py"
+  tests/test_gpu_sparse_attention.py tests/test_gpu_test_logic.py tests/test_gpu_int32.py tests/test_gpu_host_buffers.py
+  tests/test_gpu_hf_fp32.py"
 E2E_TEST=tests/test_gpu_end_to_end.py
 
 OUT=${OUT:-bench/out/h200}
@@ -86,6 +87,10 @@ hostbuf)
   # host buffers for offload: torch's pinned allocator vs exact-size registered vs pageable
   timeout $(left 120) python bench/host_buffers.py --out "$OUT" > "$OUT/host_buffers.log" 2>&1; tail -7 "$OUT/host_buffers.log"
   ;;
+fp32_parity)
+  # longctx's plain-torch path against transformers' glm5_next, both in fp32 (FP32_ARGS for bench/fp32_parity.py)
+  timeout $(left) python bench/fp32_parity.py --out "$OUT" ${FP32_ARGS:-} > "$OUT/fp32_parity.log" 2>&1; tail -8 "$OUT/fp32_parity.log"
+  ;;
 memory)
   # warm-up at 8k (compiles, optimizer state), one 1M step, a profiled 128k step, then the ablation (each
   # switch off in turn) at 8k, 32k, 128k while time is left
@@ -151,6 +156,6 @@ variants)
     rm -f "$OUT/$d/memory.png"  # the device tool returns at most 8 files: keep the JSON
   done
   ;;
-*) echo "usage: dev/run_h200.sh PART... with PART in tests e2e sparse indexer kda mhc fused_loss hostbuf memory step1m offload profile peak host switches variants kernels extras"; exit 2 ;;
+*) echo "usage: dev/run_h200.sh PART... with PART in tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload profile peak host switches variants kernels extras"; exit 2 ;;
 esac
 done
