@@ -15,6 +15,10 @@ unless a phase says otherwise. Phases, in the order given:
   fla     transformers with the KDA kernels it binds when fla-core imports (its default then), and fla's
           chunk_kda against transformers' torch function on the same fp32 inputs.
 Writes DIR/fp32_parity.json (GPU, versions, command, commit, numbers) after every phase.
+
+H200, 8192 tokens (bench/results/fp32_parity.json): parity 3.1e-5 max |Δ logit| replayed, every sub-layer within
+5e-6 rel-RMS; the audit's 218 (op, module) pairs all within 7.0e-7 of fp64 (lm_head's K = 1536 products the
+largest); cuDNN's switch changes nothing; fla: chunk_kda 1.1e-3 from the torch form, 3.56 max |Δ logit| free.
 """
 
 from __future__ import annotations
@@ -212,7 +216,7 @@ def audit_phase(ours, hf, ids, top: int = 25) -> dict:
         hf(input_ids=ids)
         ours(ids)
     rows = sorted(({"key": k, **v} for k, v in a.stats.items()), key=lambda s: -(s["max_rel"] if s["max_rel"] == s["max_rel"] else 1))
-    return {"seq": ids.shape[1], "ops": len(rows), "worst": rows[:top],
+    return {"seq": ids.shape[1], "ops": len(rows), "worst": rows[:top], "all": {r["key"]: r["max_rel"] for r in rows},
             "over_1e-5": [r for r in rows if not r["max_rel"] <= 1e-5]}
 
 

@@ -84,3 +84,34 @@ def test_step_drift_runs_on_the_cpu_and_tells_paths_apart():
     assert r["a"]["err"] == r["b"]["err"] and 0 < r["a"]["err"] < 0.5, r
     assert "norm:torch" in r["a"]["report"] and "swiglu:torch" in r["a"]["report"]
     assert r["a"]["loss_err"] < 5e-2
+
+
+def test_hf_fp32_comparison_runs_on_the_cpu(tmp_path):
+    """tests/test_gpu_hf_fp32.py's comparison on the tiny checkpoint, on the CPU: with transformers' choices
+    replayed longctx's logits are fp32 rounding away (~1e-5), replay really forces them (random experts move the
+    logits by O(1)), and transformers' KDA functions are their torch bodies inside hf_torch_path only."""
+    pytest.importorskip("transformers.models.glm5_next")
+    from hf_parity import forced_decisions, hf_decisions, hf_torch_path
+    from hf_reference import make_checkpoint
+    from test_gpu_hf_fp32 import MAX_LOGIT, compare
+    from transformers.models.glm5_next import modeling_glm5_next as m
+
+    from longctx.hf_interop import load_pretrained
+
+    r = compare(tmp_path, "cpu", 60, {})
+    assert r["forced"]["max_logit"] <= 1e-4 < MAX_LOGIT and r["forced"]["max_abs_ref"] > 1.0, r
+    assert r["flips"] and not any(r["flips"].values()), r  # every MoE and indexer layer compared, none flipped
+
+    bound = m.chunk_kimi_delta_attention
+    with hf_torch_path():
+        assert m.chunk_kimi_delta_attention is bound.__wrapped__
+    assert m.chunk_kimi_delta_attention is bound
+    hf = make_checkpoint(tmp_path / "hf2", seed=0)
+    ours = load_pretrained(str(tmp_path / "hf2")).eval()
+    ids = torch.randint(1, 97, (1, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), hf_decisions(hf) as rec:
+        ref = hf(input_ids=ids).logits
+    rec["experts"] = {i: torch.randint(0, 4, e.shape, generator=torch.Generator().manual_seed(i))
+                      for i, e in rec["experts"].items()}
+    with torch.no_grad(), ours.plain_torch(), forced_decisions(ours, rec):
+        assert (ours(ids).logits - ref).abs().max() > 0.1
