@@ -116,7 +116,7 @@ class _Catch:
         return launch
 
 
-def _launches(monkeypatch) -> list[tuple]:
+def _launches() -> list[tuple]:
     """(module, kernel name, call on tensors of a dtype) for every kernel launch of ours with a PREC."""
     from longctx.ops import mhc_project_triton as mp
     from longctx.ops.indexer import triton_kernel as ik
@@ -151,7 +151,7 @@ def test_our_kernels_launch_fp32_inputs_with_ieee_dots(monkeypatch):
     state it (the sparse attention's and the mHC projection's; the indexers compare exactly under the
     interpreter, so there they take "ieee" too)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for mod, name, call in _launches(monkeypatch):
+    for mod, name, call in _launches():
         seen: list = []
         monkeypatch.setattr(mod, name, _Catch(seen))
         for dt in (torch.float32, torch.bfloat16):
