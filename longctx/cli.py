@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
+from pathlib import Path
 
 
 def _train(a) -> int:
@@ -32,15 +35,31 @@ def _train(a) -> int:
     return 0
 
 
-def _load_model(path: str, device: str):
+def _resolve_device(name: str):
+    """--device as torch's device; a CUDA device that this machine lacks is the user's mistake."""
     import torch
 
+    from .errors import ConfigError
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {name} needs a CUDA GPU, and none is visible; pass --device cpu or --device auto.")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name} names GPU {index}, but only {torch.cuda.device_count()} are visible; "
+                              f"pass --device cuda:0 .. cuda:{torch.cuda.device_count() - 1}.")
+    return torch.device(name)
+
+
+def _load_model(path: str, device: str):
     from . import checkpoint as ckpt
     from .config import ModelConfig
     from .errors import CheckpointError
     from .model import LongCtxModel
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = _resolve_device(device)
     if not os.path.exists(path):
         raise CheckpointError(f"--checkpoint {path!r} does not exist; pass a run directory or a checkpoint folder.")
     if os.path.exists(os.path.join(path, "config.json")) and not os.path.exists(os.path.join(path, "longctx_config.json")) \
@@ -52,33 +71,68 @@ def _load_model(path: str, device: str):
     return model, dev
 
 
+def _load_tokenizer(spec: str):
+    """--tokenizer; its errors name the flag (the data module's name the training setting data.tokenizer)."""
+    from .data.tokenizers import load_tokenizer
+    from .errors import DataError
+
+    try:
+        return load_tokenizer(spec)
+    except DataError as e:
+        raise DataError(str(e).replace("data.tokenizer", "--tokenizer")) from None
+
+
+def _check_vocab(tok, model, spec: str) -> None:
+    from .errors import ConfigError
+
+    if tok.vocab_size > model.cfg.vocab_size:
+        raise ConfigError(f"--tokenizer {spec!r} has {tok.vocab_size} ids but the checkpoint's model has "
+                          f"{model.cfg.vocab_size} (model.vocab_size); pass the tokenizer the model was trained with.")
+
+
 def _generate(a) -> int:
     import torch
 
-    from .data.tokenizers import load_tokenizer
+    from .errors import ConfigError
     from .generate import generate
 
+    tok = _load_tokenizer(a.tokenizer)
     model, dev = _load_model(a.checkpoint, a.device)
-    tok = load_tokenizer(a.tokenizer)
-    ids = torch.as_tensor(tok.encode(a.prompt), dtype=torch.long, device=dev)[None]
+    _check_vocab(tok, model, a.tokenizer)
+    # the bytes as they came: argv holds undecodable bytes as lone surrogates, which UTF-8 cannot encode
+    prompt = a.prompt.encode("utf-8", "surrogateescape")
+    ids = torch.as_tensor(tok.encode(prompt), dtype=torch.long, device=dev)[None]
     if ids.numel() == 0:
-        from .errors import UserError
-        raise UserError("--prompt is empty; give some text to continue.")
-    out = generate(model, ids, a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed)
+        raise ConfigError("--prompt is empty; give some text to continue.")
+    out = generate(model, ids, a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed,
+                   vocab_limit=tok.vocab_size)
     sys.stdout.write(tok.decode(out[0].tolist()) + "\n")
     return 0
 
 
 def _eval(a) -> int:
     from .data.packing import eval_windows
-    from .data.sources import load_split
-    from .data.tokenizers import load_tokenizer, tokenize_documents
+    from .data.sources import load_documents, split_documents, stdlib_corpus
+    from .data.tokenizers import tokenize_documents
+    from .errors import ConfigError, DataError
     from .evaluate import per_position_loss
 
+    if a.buckets > a.seq_len:
+        raise ConfigError(f"--buckets ({a.buckets}) is more than --seq-len ({a.seq_len}), which leaves buckets with no "
+                          f"position; pass --buckets {min(8, a.seq_len)} or a longer --seq-len.")
+    tok = _load_tokenizer(a.tokenizer)
     model, dev = _load_model(a.checkpoint, a.device)
-    tok = load_tokenizer(a.tokenizer)
-    _, held = load_split(a.data, eval_docs=a.eval_docs)
-    windows = eval_windows(tokenize_documents(held, tok, quiet=True), a.seq_len, a.windows, starts_only=False).tokens
+    _check_vocab(tok, model, a.tokenizer)
+    if a.data is None:
+        held = stdlib_corpus()[1]
+    else:
+        held = split_documents(load_documents(a.data, setting="--data"), a.eval_docs)[1]
+    docs = tokenize_documents(held, tok, quiet=True)
+    longest = max((len(d) for d in docs), default=0)
+    if longest < a.seq_len + 1:
+        raise DataError(f"--seq-len {a.seq_len} needs held-out documents of {a.seq_len + 1} tokens, and the longest of "
+                        f"the {len(docs)} has {longest}; lower --seq-len or pass longer documents with --data.")
+    windows = eval_windows(docs, a.seq_len, a.windows, starts_only=False).tokens
     res = per_position_loss(model, windows, n_buckets=a.buckets, device=dev, progress=sys.stderr.isatty())
     print(json.dumps(res, indent=2))
     return 0
@@ -100,46 +154,130 @@ def _export(a) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own mistakes (a missing or unknown argument, a value of the wrong kind) as the one
+    `error: ...` sentence and exit 2 of every user error, through main, not a usage dump and SystemExit."""
+
+    def error(self, message):
+        from .errors import ConfigError
+
+        m = re.fullmatch(r"argument (\S+): (.*)", message, re.S)
+        if m and m.group(2).startswith(m.group(1)):  # a sentence of the checks below: it names the flag and the fix
+            raise ConfigError(m.group(2))
+        raise ConfigError(f"{message}; see `{self.prog} --help`.")
+
+    def parse_args(self, args=None, namespace=None):
+        from .errors import ConfigError
+
+        a, extra = self.parse_known_args(args, namespace)
+        if extra:  # found by the top parser, but the subcommand's help is the one that lists its arguments
+            prog = f"{self.prog} {a.cmd}" if getattr(a, "cmd", None) else self.prog
+            raise ConfigError(f"unrecognized arguments: {' '.join(extra)}; see `{prog} --help`.")
+        return a
+
+
+def _int_arg(flag: str, lo: int, example: int, below: int | None = None):
+    """An argparse type: a whole number >= lo (and < below), else a sentence naming the flag."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a whole number (got {text!r}); for example {flag} {example}.") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {lo} (got {v}); for example {flag} {example}.")
+        if below is not None and v >= below:
+            raise argparse.ArgumentTypeError(f"{flag} must be below {below_text} (got {v}); for example {flag} {example}.")
+        return v
+
+    below_text = "2**63" if below == 2**63 else str(below)
+    return parse
+
+
+def _float_arg(flag: str, example: str):
+    """An argparse type: a finite number >= 0."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = float("nan")
+        if not (math.isfinite(v) and v >= 0):
+            raise argparse.ArgumentTypeError(f"{flag} must be a finite number >= 0 (got {text!r}); for example {flag} {example}.")
+        return v
+
+    return parse
+
+
+def _device_arg(text: str) -> str:
+    if text in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"--device must be auto, cpu, cuda or cuda:N (got {text!r}); for example --device cpu.")
+
+
+def _path_arg(flag: str, example: str, home: bool = False, keep: tuple = ()):
+    """An argparse type: a path that is not empty and has no NUL; with `home`, a leading ~user must be a
+    user of this machine (the reader expands it). Values in `keep` (e.g. "byte") pass as they are."""
+    def parse(text: str) -> str:
+        if text in keep:
+            return text
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{flag} is empty; pass a path, for example {flag} {example}.")
+        if "\0" in text:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r} has a NUL character, which no path can hold; pass a real path.")
+        if home and text.startswith("~"):
+            try:
+                Path(text).expanduser()
+            except RuntimeError:
+                raise argparse.ArgumentTypeError(f"{flag} {text!r} starts with the home folder of a user this machine "
+                                                 "does not have; write the path out in full.") from None
+        return text
+
+    return parse
+
+
+_tokenizer_arg = _path_arg("--tokenizer", "tokenizer.json", home=True, keep=("byte",))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .train_config import preset_names
 
-    p = argparse.ArgumentParser(prog="longctx", description="Train hybrid long-context sparse models (KDA + DSA + MoE + mHC).")
+    p = _Parser(prog="longctx", description="Train hybrid long-context sparse models (KDA + DSA + MoE + mHC).")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     t = sub.add_parser("train", help="train (no arguments: the CPU demo on the embedded stdlib corpus)")
-    t.add_argument("--config", help="TOML or YAML config file")
+    t.add_argument("--config", type=_path_arg("--config", "run.toml", home=True), help="TOML or YAML config file")
     t.add_argument("--preset", help=f"model or training preset ({', '.join(preset_names())})")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting, e.g. model.hidden_size=256 or stages.0.steps=10")
-    t.add_argument("--out", help="output directory (default: out_dir of the config)")
+    t.add_argument("--out", type=_path_arg("--out", "runs/demo"), help="output directory (default: out_dir of the config)")
     t.add_argument("--print-config", action="store_true", help="print the resolved, validated config and exit")
     t.add_argument("--resume", action="store_true", help="continue the run in OUT from its checkpoint, with its saved config "
                    "(--set may change only stages.N.steps, eval_every, ckpt_every and log_every)")
     t.add_argument("--force", action="store_true", help="start afresh in an OUT that holds a run: delete its checkpoints, "
                    "metrics, config.json, summary, plots and TensorBoard events (nothing else)")
-    t.add_argument("--max-steps", type=int, help="stop (with a checkpoint) after this many steps in total")
+    t.add_argument("--max-steps", type=_int_arg("--max-steps", 1, 100), help="stop (with a checkpoint) after this many steps in total")
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(fn=_train)
 
     g = sub.add_parser("generate", help="sample from a checkpoint through the decode path")
     g.add_argument("--checkpoint", required=True)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--tokenizer", default="byte")
-    g.add_argument("--device", default="auto")
+    g.add_argument("--max-new-tokens", type=_int_arg("--max-new-tokens", 0, 200), default=200)
+    g.add_argument("--temperature", type=_float_arg("--temperature", "0.8"), default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=_int_arg("--top-k", 0, 40), default=40, help="sample from the k likeliest ids; 0 = all")
+    g.add_argument("--seed", type=_int_arg("--seed", 0, 0, below=2**63), default=0)
+    g.add_argument("--tokenizer", type=_tokenizer_arg, default="byte", help='"byte" or a local tokenizer.json')
+    g.add_argument("--device", type=_device_arg, default="auto", help="auto, cpu, cuda or cuda:N")
     g.set_defaults(fn=_generate)
 
     e = sub.add_parser("eval", help="held-out per-position loss of a checkpoint")
     e.add_argument("--checkpoint", required=True)
-    e.add_argument("--data", help="text file/folder (default: the embedded corpus's held-out documents)")
-    e.add_argument("--eval-docs", type=int, default=2)
-    e.add_argument("--seq-len", type=int, default=4096)
-    e.add_argument("--windows", type=int, default=8)
-    e.add_argument("--buckets", type=int, default=8)
-    e.add_argument("--tokenizer", default="byte")
-    e.add_argument("--device", default="auto")
+    e.add_argument("--data", type=_path_arg("--data", "corpus/", home=True),
+                   help="text file/folder (default: the embedded corpus's held-out documents)")
+    e.add_argument("--eval-docs", type=_int_arg("--eval-docs", 1, 2), default=2, help="documents of --data held out")
+    e.add_argument("--seq-len", type=_int_arg("--seq-len", 1, 4096), default=4096)
+    e.add_argument("--windows", type=_int_arg("--windows", 1, 8), default=8)
+    e.add_argument("--buckets", type=_int_arg("--buckets", 1, 8), default=8, help="position buckets (at most --seq-len)")
+    e.add_argument("--tokenizer", type=_tokenizer_arg, default="byte", help='"byte" or a local tokenizer.json')
+    e.add_argument("--device", type=_device_arg, default="auto", help="auto, cpu, cuda or cuda:N")
     e.set_defaults(fn=_eval)
 
     m = sub.add_parser("estimate", help="predict peak memory and pick the memory plan for a preset and length")
@@ -170,8 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from .errors import UserError
 
-    a = build_parser().parse_args(argv)
     try:
+        a = build_parser().parse_args(argv)
         return a.fn(a)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

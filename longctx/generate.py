@@ -11,8 +11,10 @@ import torch
 
 @torch.no_grad()
 def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
-             top_k: int | None = 40, seed: int = 0) -> torch.Tensor:
-    """prompt_ids [1, T] -> [1, T + max_new_tokens]."""
+             top_k: int | None = 40, seed: int = 0, vocab_limit: int | None = None) -> torch.Tensor:
+    """prompt_ids [1, T] -> [1, T + max_new_tokens]. temperature 0 = greedy; top_k 0 or None = no cut.
+    vocab_limit: only ids below it are drawn (the tokenizer's count, when the model has more ids than
+    the tokenizer can decode: the byte tokenizer's 256 on an h200-ref model's 32768)."""
     model.eval()
     g = torch.Generator(device=prompt_ids.device).manual_seed(seed)
     caches = model.init_caches(prompt_ids.shape[0], device=prompt_ids.device)
@@ -21,10 +23,16 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: 
     logits = model.lm_head(model.hidden(prompt_ids, caches=caches)[:, -1])
     out = [prompt_ids]
     for _ in range(max_new_tokens):
+        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+            logits = logits.clone()
+            logits[..., vocab_limit:] = float("-inf")
         if temperature <= 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
-            lg = logits.float() / temperature
+            # float64 with the top logit at 0: any temperature > 0 scales without overflow or a 0 divisor
+            # (float32 would round 1e-320 to 0)
+            lg = logits.double()
+            lg = (lg - lg.amax(-1, keepdim=True)) / temperature
             if top_k:
                 kth = lg.topk(min(top_k, lg.shape[-1]), dim=-1).values[..., -1:]
                 lg = lg.masked_fill(lg < kth, float("-inf"))

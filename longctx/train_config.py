@@ -168,6 +168,7 @@ class TrainConfig:
             raise ConfigError(f"seed ({_short(self.seed)}) must be below 2**63; pick a smaller seed.")
         if not self.out_dir.strip():
             raise ConfigError("out_dir is empty; set it to the folder for checkpoints and logs, e.g. runs/demo.")
+        _check_path("out_dir", self.out_dir, home=False)
         _at_least("log_every", self.log_every, 1)
         _at_least("eval_every", self.eval_every, 0)
         _at_least("ckpt_every", self.ckpt_every, 0)
@@ -200,6 +201,10 @@ class TrainConfig:
                 raise ConfigError(f"data.{name} is empty; set it (see --print-config for the default).")
         if d.path is not None and not d.path.strip():
             raise ConfigError("data.path is empty; set it to a text file, a folder, a .jsonl/.parquet or FASTA file, or leave it unset for the embedded corpus.")
+        if d.path is not None:
+            _check_path("data.path", d.path)
+        if d.tokenizer != "byte":
+            _check_path("data.tokenizer", d.tokenizer)
         _at_least("data.eval_docs", d.eval_docs, 0)
         _at_least("data.eval_windows", d.eval_windows, 0)
         for k, v in d.sources.items():
@@ -207,6 +212,7 @@ class TrainConfig:
                 raise ConfigError(f"data.sources may not use the name {k!r} (\"main\" is data.path); rename that source.")
             if not isinstance(v, str) or not v.strip():
                 raise ConfigError(f"data.sources.{k} must be a path (got {_short(v)}); set it to a text file or folder.")
+            _check_path(f"data.sources.{k}", v)
 
     def _validate_stage(self, s: Stage, where: str) -> None:
         if not isinstance(s, Stage):
@@ -409,7 +415,11 @@ def load_train_config(config_file: str | None = None, preset: str | None = None,
 
 
 def _read_config_file(path: str) -> dict:
-    p = Path(path).expanduser()
+    try:
+        p = Path(path).expanduser()
+    except RuntimeError:
+        raise ConfigError(f"config file {path!r} starts with the home folder of a user this machine does not have; "
+                          "write the path out in full.") from None
     if not p.is_file():
         raise ConfigError(f"config file '{path}' does not exist; pass the path of a .toml, .yaml or .json file to --config.")
     suffix = p.suffix.lower()
@@ -602,6 +612,19 @@ def _finite(x) -> bool:
         return math.isfinite(float(x))
     except (OverflowError, TypeError, ValueError):
         return False
+
+
+def _check_path(name: str, v: str, home: bool = True) -> None:
+    """A path no file system refuses outright: no NUL, and (for the paths the readers expand) a leading
+    ~user that names a user of this machine."""
+    if "\0" in v:
+        raise ConfigError(f"{name} {_short(v)} has a NUL character, which no path can hold; set it to a real path.")
+    if home and v.startswith("~"):
+        try:
+            Path(v).expanduser()
+        except RuntimeError:
+            raise ConfigError(f"{name} {_short(v)} starts with the home folder of a user this machine does not have; "
+                              "write the path out in full.") from None
 
 
 def _at_least(name: str, v: int, lo: int) -> None:

@@ -225,6 +225,10 @@ BAD_SETS = [
     (["no_equals_sign"], "is not key=value"),
     (["model=3"], "model must be a table"),
     (["memory=3"], "memory must be dict"),
+    (["out_dir=runs/a\x00b"], "out_dir 'runs/a\\x00b' has a NUL character"),
+    (["data.path=~nosuchuser/corpus"], "data.path '~nosuchuser/corpus' starts with the home folder of a user"),
+    (["data.tokenizer=~nosuchuser/t.json"], "data.tokenizer '~nosuchuser/t.json' starts with the home folder"),
+    (["data.sources.long=~nosuchuser/books"], "data.sources.long '~nosuchuser/books' starts with the home folder"),
 ]
 
 
@@ -257,6 +261,8 @@ def test_bad_files(tmp_path):
             assert n in str(e.value), (name, str(e.value))
     with pytest.raises(ConfigError, match="does not exist"):
         load_train_config(str(tmp_path / "missing.toml"), None, [])
+    with pytest.raises(ConfigError, match="home folder of a user"):
+        load_train_config("~nosuchuser/run.toml", None, [])
     (tmp_path / "bin.toml").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ConfigError, match="UTF-8"):
         load_train_config(str(tmp_path / "bin.toml"), None, [])
