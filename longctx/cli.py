@@ -1,7 +1,8 @@
 """`longctx` command line: train, eval, generate, estimate, export.
 
 A mistake in what the user asked for (a `UserError`) prints one line `error: ...` and exits 2;
-Ctrl-C during training saves a checkpoint first and exits 130.
+SIGINT (Ctrl-C) or SIGTERM during training finishes the step in flight, saves a checkpoint, prints
+how to resume and exits 130 or 143 (128 + the signal).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def _train(a) -> int:
         print(cfg.to_toml())
         return 0
     check_out_dir(cfg.out_dir, a.resume, a.force)  # before the corpus is read: a refusal is instant
+    if hasattr(sys.stdout, "reconfigure"):  # each step line reaches `| tee` as it happens, not 8 KiB later
+        sys.stdout.reconfigure(line_buffering=True)
     Trainer(cfg, quiet=a.quiet).run(resume=a.resume, stop_after=a.max_steps, force=a.force)
     return 0
 
@@ -314,9 +317,13 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # trainer.Interrupted carries the signal and how to resume
+        hint = e.resume_hint() if hasattr(e, "resume_hint") else "interrupted"
+        try:
+            print(hint, file=sys.stderr, flush=True)
+        except OSError:  # stderr's reader is gone as well (`2>&1 | tee`)
+            pass
+        return 128 + getattr(e, "signum", 2)  # 2 = SIGINT: a KeyboardInterrupt before the run began
     except BrokenPipeError:  # `longctx estimate ... | head`: the reader left; not an error of ours
         import os
 

@@ -17,8 +17,11 @@ import math
 import os
 import re
 import resource
+import shlex
 import shutil
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -146,6 +149,84 @@ def check_out_dir(out: str, resume: bool, force: bool) -> None:
                              "TensorBoard events).")
 
 
+# ---------------------------------------------------------------------- interruptions
+class Interrupted(KeyboardInterrupt):
+    """The run stopped on SIGINT or SIGTERM at `step`; `checkpoint_step` is the step of the checkpoint
+    to resume from (the same step when the run saved one on its way out; None: the run has none).
+    The CLI prints `resume_hint()` and exits with 128 + signum."""
+
+    def __init__(self, signum: int, step: int, out: str, checkpoint_step: int | None):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.step, self.out, self.checkpoint_step = int(signum), step, out, checkpoint_step
+
+    def resume_hint(self) -> str:
+        out = shlex.quote(self.out)
+        if self.checkpoint_step is None:
+            return f"interrupted at step {self.step} before any checkpoint; start again with: longctx train --out {out} --force"
+        hint = f"interrupted at step {self.step}; resume with: longctx train --out {out} --resume"
+        if self.checkpoint_step != self.step:
+            hint += f" (it continues from the checkpoint of step {self.checkpoint_step})"
+        return hint
+
+
+def _say(msg: str) -> None:
+    """A line on stderr from a signal handler or after stdout's reader left: a raw write, never a
+    second exception (print may be half way through a line, and stderr may be a closed pipe too)."""
+    try:
+        os.write(2, (msg + "\n").encode())
+    except OSError:
+        pass
+
+
+class StopSignals:
+    """SIGINT and SIGTERM during `Trainer.run`. The first only records the signal; the step loop
+    reads it between steps, so the checkpoint it then writes holds the data cursor, optimizer and
+    RNG of one step boundary. A second one raises Interrupted at once, without a checkpoint (the
+    previous one stays whole: checkpoints are written aside and linked atomically). A signal the
+    process ignores (nohup, a background job) stays ignored; off the main thread nothing is installed."""
+
+    def __init__(self, trainer: "Trainer"):
+        self.trainer, self.signum, self._old = trainer, None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(s) is not signal.SIG_IGN:
+                    self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old if old is not None else signal.SIG_DFL)
+        self._old.clear()
+
+    def _handle(self, signum, frame):
+        t = self.trainer
+        if self.signum is not None:
+            _say(f"{signal.Signals(signum).name} again: stopping now, without a checkpoint of step {t.step}")
+            raise Interrupted(signum, t.step, t.out, t._saved_step)
+        self.signum = signum
+        _say(f"{signal.Signals(signum).name}: stopping with a checkpoint at the end of the step in flight "
+             "(send it again to stop at once, without one)")
+
+
+def _pipe_safe(log):
+    """`log`, except that a reader of stdout that has gone (`longctx train | tee` when Ctrl-C kills
+    tee, `| head`) does not end the run before its checkpoint: stdout then goes to /dev/null."""
+    def safe(msg):
+        try:
+            log(msg)
+        except BrokenPipeError:
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+            except (OSError, ValueError):
+                pass
+            _say("stdout's reader has gone; the run goes on without printing (metrics.jsonl has every step)")
+    return safe
+
+
 # ---------------------------------------------------------------------- resuming with the run's own config
 # What a resume may change: how long the stages run and how often the run logs, evaluates and
 # checkpoints. Everything else (model, data, window lengths, schedules, memory plan, kernels, seed)
@@ -256,7 +337,9 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, out_dir: str | None = None, quiet: bool = False, log=print):
         self.cfg = cfg
         self.out = out_dir or cfg.out_dir
-        self.quiet, self.log = quiet, log
+        self.quiet, self.log = quiet, _pipe_safe(log)
+        self._saved_step = None  # the step of the newest checkpoint in self.out
+        self._stop = StopSignals(self)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         if self.device.type == "cuda":
@@ -338,6 +421,7 @@ class Trainer:
 
     def save(self, reason: str):
         path = ckpt.save(self.out, self.step, self.model, self.opt, self.state(), self.cfg.to_dict())
+        self._saved_step = self.step
         if not self.quiet:
             self.log(f"checkpoint ({reason}): {path}")
         return path
@@ -351,14 +435,14 @@ class Trainer:
         saved, where = read_run_config(self.out)
         st = ckpt.load(self.out, self.model, self.opt, device=self.device)
         changes = resume_changes(saved, self.cfg, st.get("step", 0), where)
-        self.step = st.get("step", 0)
+        self.step = self._saved_step = st.get("step", 0)
         self.stream.load_state_dict(st["data"])
         self.before = st.get("before")
         # keep metrics.jsonl consistent with the checkpoint: drop records after its step
         path = os.path.join(self.out, "metrics.jsonl")
         if os.path.exists(path):
             with open(path) as f:
-                recs = [json.loads(line) for line in f if line.strip()]
+                recs = [r for r in map(_json_or_none, f) if r is not None]
             recs = [r for r in recs if r.get("step", 0) <= self.step]
             with open(path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in recs)
@@ -450,7 +534,12 @@ class Trainer:
     def run(self, resume: bool = False, stop_after: int | None = None, force: bool = True) -> dict:
         """Train to the end (or `stop_after` steps in total). A fresh run (not `resume`) into a folder
         holding a run clears it first (`clear_run`) when `force`, else refuses; the CLI passes
-        force only with --force, while a caller of this method asks for a fresh run by calling it."""
+        force only with --force, while a caller of this method asks for a fresh run by calling it.
+        SIGINT / SIGTERM end the step in flight, save a checkpoint and raise Interrupted."""
+        with self._stop:
+            return self._run(resume, stop_after, force)
+
+    def _run(self, resume: bool, stop_after: int | None, force: bool) -> dict:
         check_out_dir(self.out, resume, force and not resume)
         if resume:
             self.resume()
@@ -478,26 +567,27 @@ class Trainer:
                 self.log(f"held-out loss before training: {self.before['loss']:.4f}")
         total = self.cfg.total_steps()
         last = total if stop_after is None else min(total, stop_after)
-        try:
-            while self.step < last:
-                si, k = self.stage_at(self.step)
-                stage = self.cfg.stages[si]
-                if si != self.stage_entered:
-                    self.enter_stage(si)
-                rec = self.train_step(stage, k)
-                self.step += 1
-                self._record(rec)
-                if not self.quiet and (self.step % max(1, self.cfg.log_every) == 0 or self.step == last):
-                    self.log(self.format(rec))
-                end_of_stage = self.stage_at(self.step)[1] == 0
-                if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < total:
-                    self.evaluate(f"step{self.step}")
-                if (self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0) or (end_of_stage and self.step < last):
-                    self.save("periodic" if not end_of_stage else "end of stage")
-        except KeyboardInterrupt:
-            self.log(f"interrupted at step {self.step}; saving a checkpoint")
-            self.save("interrupted")
-            raise
+        while self.step < last and self._stop.signum is None:  # a signal waits for the step boundary
+            si, k = self.stage_at(self.step)
+            stage = self.cfg.stages[si]
+            if si != self.stage_entered:
+                self.enter_stage(si)
+            rec = self.train_step(stage, k)
+            self.step += 1
+            self._record(rec)
+            if not self.quiet and (self.step % max(1, self.cfg.log_every) == 0 or self.step == last):
+                self.log(self.format(rec))
+            end_of_stage = self.stage_at(self.step)[1] == 0
+            if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < total:
+                self.evaluate(f"step{self.step}")
+            if (self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0) or (end_of_stage and self.step < last):
+                self.save("periodic" if not end_of_stage else "end of stage")
+        if self._stop.signum is not None:
+            name = signal.Signals(self._stop.signum).name
+            if self._saved_step != self.step:
+                self.save(f"{name}")
+            self.log(f"stopped by {name} at step {self.step}")
+            raise Interrupted(self._stop.signum, self.step, self.out, self._saved_step)
         if self.step < total:  # stopped early on request: checkpoint to resume from
             self.save("stopped")
             return {"step": self.step, "stopped": True}
@@ -561,6 +651,14 @@ class Trainer:
             if self.stage_estimate_gib is not None:
                 self.log(f"memory estimate: {self.stage_estimate_gib:.1f} GiB of {e['gpu_capacity'] / 2**30:.1f}, "
                          f"peak during {e['peak_phase']} (`longctx estimate` prints the breakdown)")
+
+
+def _json_or_none(line: str):
+    """One metrics.jsonl record; None for a blank line or one cut short by a hard stop."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
 
 
 def train(cfg: TrainConfig, **kw) -> dict:

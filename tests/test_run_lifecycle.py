@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,16 @@ def corpus(tmp_path_factory):
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(300)))
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread for the runs in this process: a busy 2-core host oversubscribed by torch's
+    default threads runs these tiny steps many times slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def tiny_sets(corpus, steps0=4, steps1=2, extra=()):
@@ -170,11 +181,6 @@ def test_resume_mid_stage_rebuilds_the_stage_memory_plan_and_data_mix(tmp_path, 
 
 
 # ------------------------------------------------------------------------------ --resume takes the run's config
-def _train_cli(corpus, out, *args, sets=None):
-    flags = as_flags(tiny_sets(corpus) if sets is None else sets)
-    return main(["train", *flags, "--out", str(out), *args])
-
-
 def test_resume_with_no_flags_continues_with_the_runs_config(tmp_path, corpus, capsys):
     sets = tiny_sets(corpus, steps0=4, steps1=2, extra=["stages.1.seq_len=48"])
     assert main(["train", *as_flags(sets), "--out", str(tmp_path / "whole"), "--quiet"]) == 0
@@ -188,26 +194,37 @@ def test_resume_with_no_flags_continues_with_the_runs_config(tmp_path, corpus, c
     assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-6
 
 
+@pytest.fixture(scope="module")
+def stopped_run(corpus, tmp_path_factory):
+    """A run of 4 + 2 steps stopped after step 5: in stage 1, one step in."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["train", *as_flags(tiny_sets(corpus)), "--out", str(out), "--quiet", "--max-steps", "5"]) == 0
+    finally:
+        torch.set_num_threads(n)
+    return out
+
+
 @pytest.mark.parametrize("flags,setting", [(["--set", "stages.0.seq_len=48"], "stages.0.seq_len"),
                                            (["--set", "model.hidden_size=48"], "model.hidden_size"),
                                            (["--preset", "small"], "preset"),
                                            (["--set", "stages.2.seq_len=96", "--set", "stages.2.steps=1",
                                              "--set", "stages.2.lr=1e-3"], "stages.2"),
                                            (["--set", "stages.0.steps=5"], "stages.0.steps")])
-def test_resume_refuses_a_setting_that_differs_from_the_run(tmp_path, corpus, capsys, flags, setting):
+def test_resume_refuses_a_setting_that_differs_from_the_run(tmp_path, stopped_run, capsys, flags, setting):
     out = tmp_path / "run"
-    assert _train_cli(corpus, out, "--quiet", "--max-steps", "5") == 0  # stage 1, one step in
-    capsys.readouterr()
+    shutil.copytree(stopped_run, out, symlinks=True)
     before = {n: open(out / n, "rb").read() for n in ("config.json", "metrics.jsonl")}
     assert main(["train", "--out", str(out), "--resume", *flags]) == 2
     _only_error(capsys.readouterr().err, setting, "--resume")
     assert {n: open(out / n, "rb").read() for n in before} == before
 
 
-def test_resume_applies_and_logs_the_settings_that_may_change(tmp_path, corpus, capsys):
+def test_resume_applies_and_logs_the_settings_that_may_change(tmp_path, stopped_run, capsys):
     out = tmp_path / "run"
-    assert _train_cli(corpus, out, "--quiet", "--max-steps", "5") == 0
-    capsys.readouterr()
+    shutil.copytree(stopped_run, out, symlinks=True)
     assert main(["train", "--out", str(out), "--resume", "--set", "stages.1.steps=4", "--set", "log_every=2",
                  "--set", "ckpt_every=2", "--set", "eval_every=3"]) == 0
     said = capsys.readouterr().out
@@ -228,3 +245,94 @@ def test_a_checkpoint_of_another_shape_is_a_checkpoint_error(tmp_path):
     other = LongCtxModel(preset("tiny").replace(hidden_size=2 * preset("tiny").hidden_size))
     with pytest.raises(CheckpointError, match="does not match the model"):
         ckpt.load(str(tmp_path), other)
+
+
+# ------------------------------------------------------------------------------ SIGINT, SIGTERM, Ctrl-C under tee
+SIGNAL_STEPS = (40, 10)  # ~50 ms a step on 2 cores: the run outlasts the time a signal takes to land
+HINT = re.compile(r"interrupted at step (\d+); resume with: longctx train --out (\S+) --resume")
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")  # one thread: no oversubscription on a busy CI host
+    env.pop("PYTHONUNBUFFERED", None)  # the step lines must reach a pipe promptly on their own
+    return env
+
+
+def _signal_sets(corpus):
+    return as_flags(tiny_sets(corpus, *SIGNAL_STEPS))
+
+
+def _cmd(corpus, out):
+    return [sys.executable, "-m", "longctx", "train", *_signal_sets(corpus), "--out", str(out)]
+
+
+def _wait_for_a_step_line(stream):
+    for line in stream:
+        if line.startswith("step "):
+            return
+    raise AssertionError("the run printed no step line")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    r = subprocess.run([*_cmd(corpus, out), "--quiet"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = losses(out)
+    assert len(a) == sum(SIGNAL_STEPS)
+    return a
+
+
+def _resume_and_compare(out, err, rc, expected_rc, uninterrupted):
+    assert rc == expected_rc, (rc, err[-3000:])
+    m = HINT.search(err)
+    assert m, err[-3000:]
+    step = int(m.group(1))
+    assert 0 < step < sum(SIGNAL_STEPS), step
+    assert m.group(2) == str(out)
+    assert os.readlink(os.path.join(out, "checkpoint")) == f"ckpt-{step:06d}"
+    r = subprocess.run([sys.executable, "-m", "longctx", "train", "--out", str(out), "--resume", "--quiet"],
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    b = losses(out)
+    assert len(b) == len(uninterrupted)
+    assert max(abs(x - y) for x, y in zip(uninterrupted, b)) <= 1e-6
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_mid_run_leaves_a_checkpoint_that_resumes_exactly(tmp_path, corpus, uninterrupted, sig, code):
+    out = tmp_path / "run"
+    with open(tmp_path / "err", "w") as err:
+        p = subprocess.Popen(_cmd(corpus, out), env=_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            _wait_for_a_step_line(p.stdout)
+            p.send_signal(sig)
+            p.stdout.read()
+            p.wait(timeout=120)
+        finally:
+            p.kill()
+    _resume_and_compare(out, open(tmp_path / "err").read(), p.returncode, code, uninterrupted)
+
+
+def test_ctrl_c_with_the_output_through_tee_leaves_a_checkpoint(tmp_path, corpus, uninterrupted):
+    """Ctrl-C reaches the whole foreground process group: `tee` dies at once, so each later print
+    of the run meets a closed pipe."""
+    out, err, rc, log = (tmp_path / n for n in ("run", "err", "rc", "log"))
+    train = " ".join(f"'{a}'" for a in _cmd(corpus, out))
+    p = subprocess.Popen(["bash", "-c", f"({train} 2>'{err}'; echo $? > '{rc}') | tee '{log}'"], env=_env(),
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for_a_step_line(p.stdout)
+        os.killpg(p.pid, signal.SIGINT)
+        p.stdout.read()
+        p.wait(timeout=120)
+        for _ in range(100):  # the subshell writes the exit code after bash's tee is gone
+            if rc.exists() and rc.read_text().strip():
+                break
+            time.sleep(0.1)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _resume_and_compare(out, err.read_text(), int(rc.read_text()), 130, uninterrupted)
