@@ -148,9 +148,10 @@ def _estimate(a) -> int:
 
 
 def _export(a) -> int:
-    from .hf_interop import check_export_target, export_hf
+    from .hf_interop import check_export_target, check_vision_source, export_hf
 
     check_export_target(a.out, a.force)  # before the (slow) load: a refused target fails at once
+    check_vision_source(a.vision_from)
     model, _ = _load_model(a.checkpoint, "cpu")
     export_hf(model, a.out, vision_from=a.vision_from, force=a.force)
     print(f"wrote {a.out}")

@@ -482,6 +482,8 @@ def save_checkpoint_dir(model: LongCtxModel, path: str):
 def check_export_target(path: str, force: bool = False):
     """Refuse an export target that holds something we did not write: a file (or link) named `path`, or a
     folder that is not empty, unless `force`. An absent path or an empty folder is fine."""
+    if not path or "\x00" in path:
+        raise CheckpointError(f"--out {path!r} is not a usable folder name; give the folder to write the export to.")
     if force or not os.path.lexists(path):
         return
     if os.path.islink(path) or not os.path.isdir(path):
@@ -490,6 +492,13 @@ def check_export_target(path: str, force: bool = False):
     if os.listdir(path):
         raise CheckpointError(f"export target {path!r} is a folder that is not empty; choose another --out, "
                               "or pass --force (force=True) to replace what is in it.")
+
+
+def check_vision_source(path: str | None):
+    """A `vision_from` the user named must be a GLM-5.3-Flash folder (its config.json is what gets copied)."""
+    if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"--vision-from {path!r} is not a GLM-5.3-Flash folder with a config.json; "
+                              "give the checkpoint folder to copy the vision tower from, or leave it out.")
 
 
 def export_hf(model: LongCtxModel, path: str, vision_from: str | None = None, force: bool = False):
@@ -503,6 +512,7 @@ def export_hf(model: LongCtxModel, path: str, vision_from: str | None = None, fo
     (CheckpointError) unless `force`, which replaces it; the files go to a temporary folder of our own
     next to `path` that is renamed into place once complete, so nothing else there is touched."""
     check_export_target(path, force)
+    check_vision_source(vision_from)
     vision_from = vision_from or getattr(model, "hf_source", None)
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings:
