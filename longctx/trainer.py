@@ -6,8 +6,9 @@
 One log line per step (step, stage, sequence length, loss, grad norm, tokens/s, peak memory, MoE
 balance, and which kernel each layer kind ran), metrics.jsonl always, TensorBoard when installed.
 Held-out per-position loss before and after training; PNG plots; atomic checkpoints (periodic, at
-the end of each stage, and on Ctrl-C). A resumed run continues the data stream, optimizer, RNG
-and router balancing state exactly, so its loss curve equals the uninterrupted one.
+the end of each stage, and at the step boundary after a SIGINT or SIGTERM). A resumed run takes
+the run's saved config and continues the data stream, optimizer, RNG, router balancing state and
+the stage's memory plan exactly, so its loss curve equals the uninterrupted one.
 """
 
 from __future__ import annotations
