@@ -421,6 +421,8 @@ class Trainer:
         return {"step": self.step, "data": self.stream.state_dict(), "before": self.before}
 
     def save(self, reason: str):
+        if self._saved_step == self.step:  # nothing has changed since; a rewrite would first delete it
+            return os.path.join(self.out, f"ckpt-{self.step:06d}")
         path = ckpt.save(self.out, self.step, self.model, self.opt, self.state(), self.cfg.to_dict())
         self._saved_step = self.step
         if not self.quiet:
@@ -585,8 +587,7 @@ class Trainer:
                 self.save("periodic" if not end_of_stage else "end of stage")
         if self._stop.signum is not None:
             name = signal.Signals(self._stop.signum).name
-            if self._saved_step != self.step:
-                self.save(f"{name}")
+            self.save(name)
             self.log(f"stopped by {name} at step {self.step}")
             raise Interrupted(self._stop.signum, self.step, self.out, self._saved_step)
         if self.step < total:  # stopped early on request: checkpoint to resume from

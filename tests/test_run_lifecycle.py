@@ -336,3 +336,21 @@ def test_ctrl_c_with_the_output_through_tee_leaves_a_checkpoint(tmp_path, corpus
         except ProcessLookupError:
             pass
     _resume_and_compare(out, err.read_text(), int(rc.read_text()), 130, uninterrupted)
+
+
+def test_no_step_is_checkpointed_twice(tmp_path, corpus, monkeypatch):
+    """Writing ckpt-N again removes the only checkpoint of that step before its copy is in place."""
+    import longctx.trainer as trainer_mod
+
+    steps = []
+    real = ckpt.save
+
+    def recording(out, step, *a, **k):
+        steps.append(step)
+        return real(out, step, *a, **k)
+
+    monkeypatch.setattr(trainer_mod.ckpt, "save", recording)
+    cfg = load_train_config(None, None, tiny_sets(corpus, steps0=4, steps1=2, extra=["ckpt_every=3"]))
+    Trainer(cfg, out_dir=str(tmp_path / "run"), quiet=True).run()
+    Trainer(load_train_config(None, None, tiny_sets(corpus)), out_dir=str(tmp_path / "stop"), quiet=True).run(stop_after=4)
+    assert steps == [3, 4, 6, 4]
