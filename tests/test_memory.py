@@ -872,16 +872,6 @@ def test_estimate_counts_liger_mhc_post_res_backward():
     e_on, e_off = (estimate(cfg, S, p, 1, "h200")["gpu_bytes"] for p in (on, off))
     assert 10 * G < e_off - e_on < 15 * G
     assert "mHC stream-op workspace (backward)" in estimate(cfg, S, off, 1, "h200")["working"]
-    # the benchmark report: runs recorded before the switch ran liger's Functions where they ran liger
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from memory import run_estimate_args
-
-    old = {k: v for k, v in on.to_dict().items() if k != "mhc_chunk"}
-    assert run_estimate_args({"plan": old, "impl": "mhc:liger x24", "source": "memory_runs/9_liger_mhc_128k.json"}) == \
-        (off, {"residual_impl": "liger", "kda_norm": "torch", "plain_ops": True})
-    assert run_estimate_args({"plan": on.to_dict(), "impl": "kda:fla-chunk+fla-conv+fla-norm x9, mhc:torch x24",
-                              "source": "28_step.json"}) == \
-        (on, {"residual_impl": "torch", "kda_norm": "fla", "plain_ops": False})
 
 
 def test_estimate_counts_the_autocast_cached_copies_not_the_experts():
