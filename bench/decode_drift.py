@@ -1,5 +1,5 @@
 """CPU: how far the decode path drifts from the training forward under bf16 autocast, with MoE routing
-free and with routing recorded in the training forward and replayed (tests/test_gpu_end_to_end.py's
+free and with routing recorded in the training forward and replayed (tests/test_end_to_end_gpu.py's
 measure, on a small model), and in fp32 as the control.
 
     python bench/decode_drift.py [--layers 4] [--seq 600] [--last 16] [--chunk 256]
@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from test_gpu_end_to_end import decode_vs_training  # noqa: E402
+from test_end_to_end_gpu import decode_vs_training  # noqa: E402
 
 from longctx.config import preset  # noqa: E402
 from longctx.model import LongCtxModel  # noqa: E402

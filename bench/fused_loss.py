@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from timing import env_record, timed, write_results
 
 from longctx.model import LongCtxModel
-from longctx.ops import fused_loss
+from longctx.ops.loss import liger as fused_loss
 
 GIB = 1 << 30
 

@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 from timing import env_record, timed, write_results  # bench/ is on sys.path when run as a script
 
 from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch, kpool_topk_two_phase
-from longctx.ops.indexer import triton_kernel as tk
-from longctx.ops.indexer.two_phase import kth_scores_triton
+from longctx.ops.indexer import fused as tk
+from longctx.ops.indexer.triton import kth_scores_triton
 
 P = 4
 MMA_PEAK = 778e12  # the H200's dense bf16 matmul rate (docs/benchmarks.md, MFU)

@@ -6,7 +6,7 @@
 Problem (the h200-ref KDA layer): q, k, v, g_raw [1,S,12,128] bf16 (q, k raw: the L2 norm is part
 of the op), beta [1,S,12] bf16 (through its sigmoid), A_log [12] and dt_bias [12*128] fp32
 parameters, the bounded gate (lower bound -5: fla's safe_gate path), chunk 64, scale 128^-1/2. The
-two sides compute the same function (longctx/ops/kda/fla_backend.py):
+two sides compute the same function (longctx/ops/kda/fla.py):
 
     fla:   fla_chunk_kda(q, k, v, g_raw, beta, A_log=, dt_bias=, lower_bound=-5, scale=)
     torch: kda_chunk(l2norm(q), l2norm(k), v, kda_gate(g_raw, A_log, dt_bias, -5), beta, scale)

@@ -60,11 +60,11 @@ from longctx.layers.moe import MoE
 from longctx.memory import allocator
 from longctx.memory import estimate as est
 from longctx.memory.host_buffers import host_rss_bytes
-from longctx.memory import peak as peak_mod
-from longctx.memory.meter import LiveBytes
+from longctx.measure import peak as peak_mod
+from longctx.measure.meter import LiveBytes
 from longctx.memory.plan import MemoryPlan, apply_plan
 from longctx.model import LongCtxModel
-from longctx.ops import mhc_liger
+from longctx.ops.mhc import liger as mhc_liger
 
 GIB = 2**30
 PEAK_FLOPS = 778e12
@@ -510,7 +510,7 @@ class Bench:
         self._cleanup(policy)
 
     def peak(self, S: int, name: str):
-        """One warm step of config `name` at S with the peak timeline (longctx/memory/peak.py): between
+        """One warm step of config `name` at S with the peak timeline (longctx/measure/peak.py): between
         which two marks (module forward, recompute, backward start/end) the peak was reached, and what
         was allocated there (OUT/peak_<S>_<name>.txt, and the JSON). With --peak-trace, the allocator's
         event history as well: what was alive at the peak, by the line of longctx that allocated it."""
@@ -680,7 +680,7 @@ def estimated_max_context(cfg, plan: MemoryPlan, start: int, cap: int, gpu: str,
 
 def estimate_phase(measured: str) -> str:
     """The estimate's name (longctx/memory/estimate.py, phases_gpu_bytes) of a measured phase
-    (longctx/memory/peak.py, phase_peaks): chunk N/N is the backward sweep's first ('last chunk'), the
+    (longctx/measure/peak.py, phase_peaks): chunk N/N is the backward sweep's first ('last chunk'), the
     others 'earlier chunks'; the forward and the loss is the estimate's end of the forward."""
     name = measured
     if name.startswith("chunk "):

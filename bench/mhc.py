@@ -9,7 +9,7 @@ x, ctx = enter(streams); y = x * gain + noise (a stand-in sub-layer); out = exit
 backward of (out * dout).sum() into the streams, the noise and the parameters. Implementations:
   torch            residual_impl "torch", recompute_cast on (the memory plan's default)
   torch_keep_cast  residual_impl "torch", recompute_cast off (the fp32 copy saved)
-  liger            residual_impl "liger" (longctx.ops.mhc_liger)
+  liger            residual_impl "liger" (longctx.ops.mhc.liger)
 Per case: median ms of fwd+bwd (CUDA events, after warm-up), the peak allocated above the inputs
 during one step, and liger's relative RMS difference from torch on out and d_streams.
 Writes DIR/mhc.json: the connection comparison under "connection", --project's under "projection",
@@ -33,7 +33,8 @@ from timing import env_record, timed, write_results
 
 from longctx.config import preset
 from longctx.layers.residual import MHC
-from longctx.ops import fused_loss, mhc_liger
+from longctx.ops.loss import liger as fused_loss
+from longctx.ops.mhc import liger as mhc_liger
 
 GIB = 1 << 30
 
@@ -128,9 +129,9 @@ def run_gpu(args) -> dict:
 def run_project(args) -> dict:
     """mHC's coefficient projection alone (mix = RMSNorm(x) @ fn^T over the flattened streams, forward and
     backward) at h200-ref's width: liger's kernels (`mhc_mm_norm_fwd` / `_bwd`, what residual_impl=liger
-    runs) against ours (longctx/ops/mhc_project_triton.py), median ms and the bytes each must move at
+    runs) against ours (longctx/ops/mhc/triton.py), median ms and the bytes each must move at
     least (forward: read x; backward: read x, write grad x), and ours' distance from liger's results."""
-    from longctx.ops import mhc_project_triton as ours
+    from longctx.ops.mhc import triton as ours
 
     cfg = preset("h200-ref")
     K, M = cfg.hc_streams * cfg.hidden_size, (2 + cfg.hc_streams) * cfg.hc_streams
@@ -147,7 +148,7 @@ def run_project(args) -> dict:
 def _project_case(S: int, K: int, M: int, eps: float) -> dict:
     from liger_kernel.ops.mhc import mhc_mm_norm_bwd, mhc_mm_norm_fwd
 
-    from longctx.ops import mhc_project_triton as ours
+    from longctx.ops.mhc import triton as ours
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(S, K, device="cuda", generator=g).bfloat16()

@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_gpu_sparse_attention import causal_pool_indices
+from test_sparse_attention_gpu import causal_pool_indices
 from timing import env_record, timed, write_results
 
-from longctx.ops.sparse_attention import triton_kernel as tk
+from longctx.ops.sparse_attention import triton as tk
 
 D, K = 512, 2051
 GIB = 1 << 30

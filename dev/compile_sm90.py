@@ -28,13 +28,13 @@ from triton.compiler import ASTSource
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from longctx.ops import mhc_project_triton as mhc_project  # noqa: E402
-from longctx.ops.indexer.triton_kernel import _kpool_topk_kernel  # noqa: E402
-from longctx.ops.indexer.two_phase import _emit_from_scores_kernel, _kpool_score_kernel, _kth_score_kernel  # noqa: E402
-from longctx.ops.rms_norm_triton import _rms_norm_bwd, _rms_norm_fwd  # noqa: E402
-from longctx.ops.sparse_attention.triton_kernel import _sparse_attn_bwd  # noqa: E402
-from longctx.ops.swiglu_triton import BLOCK as SWIGLU_BLOCK  # noqa: E402
-from longctx.ops.swiglu_triton import _swiglu_bwd, _swiglu_fwd  # noqa: E402
+from longctx.ops.mhc import triton as mhc_project  # noqa: E402
+from longctx.ops.indexer.fused import _kpool_topk_kernel  # noqa: E402
+from longctx.ops.indexer.triton import _emit_from_scores_kernel, _kpool_score_kernel, _kth_score_kernel  # noqa: E402
+from longctx.ops.rms_norm.triton import _rms_norm_bwd, _rms_norm_fwd  # noqa: E402
+from longctx.ops.sparse_attention.triton import _sparse_attn_bwd  # noqa: E402
+from longctx.ops.swiglu.triton import BLOCK as SWIGLU_BLOCK  # noqa: E402
+from longctx.ops.swiglu.triton import _swiglu_bwd, _swiglu_fwd  # noqa: E402
 
 
 def _sig(kernel, pointers: dict, consts: dict) -> dict:

@@ -13,12 +13,12 @@
 set -u
 
 # The GPU test files, run by the `tests` part in this order (GPU_TESTS="FILE ..." to pick; a bare name
-# such as `mhc` means tests/test_gpu_mhc.py); E2E_TEST is the `e2e` part's, left out of `tests` (~250 s).
-GPU_TEST_FILES="tests/test_gpu_fused_loss.py tests/test_gpu_indexer.py tests/test_gpu_kda.py tests/test_gpu_mhc.py
-  tests/test_gpu_mhc_project.py tests/test_gpu_norms.py tests/test_gpu_swiglu.py tests/test_gpu_sequence_chunks.py
-  tests/test_gpu_sparse_attention.py tests/test_gpu_test_logic.py tests/test_gpu_int32.py tests/test_gpu_host_buffers.py
-  tests/test_gpu_hf_fp32.py"
-E2E_TEST=tests/test_gpu_end_to_end.py
+# such as `mhc` means tests/ops/test_mhc_gpu.py); E2E_TEST is the `e2e` part's, left out of `tests` (~250 s).
+GPU_TEST_FILES="tests/ops/test_loss_gpu.py tests/ops/test_indexer_gpu.py tests/ops/test_kda_gpu.py tests/ops/test_mhc_gpu.py
+  tests/ops/test_mhc_projection_gpu.py tests/ops/test_rms_norm_gpu.py tests/ops/test_swiglu_gpu.py tests/memory/test_sequence_chunks_gpu.py
+  tests/ops/test_sparse_attention_gpu.py tests/test_step_drift_gpu.py tests/ops/test_int32_gpu.py tests/memory/test_host_buffers_gpu.py
+  tests/test_hf_fp32_gpu.py"
+E2E_TEST=tests/test_end_to_end_gpu.py
 
 OUT=${OUT:-bench/out/h200}
 mkdir -p "$OUT"
@@ -50,7 +50,7 @@ tests)
   # kernels for its shapes on a cold machine) so that one slow file does not hide the others; GPU_TESTS_K:
   # a pytest -k expression; logged whole, with each test's duration (a tail loses the failures)
   for f in ${GPU_TESTS:-$GPU_TEST_FILES}; do
-    case "$f" in */*) ;; *) f=tests/test_gpu_$f.py ;; esac
+    case "$f" in */*) ;; *) f=$(ls tests/test_${f}_gpu.py tests/*/test_${f}_gpu.py 2>/dev/null | head -1) ;; esac
     echo "=== $f" >> "$OUT/gpu_tests.log"
     t=${TEST_S:-200}; case "$f" in *sequence_chunks*) [ -z "${TEST_S:-}" ] && t=420 ;; esac
     timeout $(left $t) python -m pytest -q -rfE --tb=short -s --durations=0 -o faulthandler_timeout=240 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} "$f" >> "$OUT/gpu_tests.log" 2>&1

@@ -17,8 +17,8 @@ from pathlib import Path
 
 
 def _train(a) -> int:
-    from .train_config import load_train_config
-    from .trainer import Trainer, check_out_dir, resume_config
+    from .config.train import load_train_config
+    from .train.trainer import Trainer, check_out_dir, resume_config
 
     if a.resume:  # the run's saved config, with only what the flags may change on resume changed
         out = a.out or load_train_config(a.config, a.preset, a.set or []).out_dir
@@ -118,7 +118,7 @@ def _eval(a) -> int:
     from .data.sources import load_documents, split_documents, stdlib_corpus
     from .data.tokenizers import tokenize_documents
     from .errors import ConfigError, DataError
-    from .evaluate import per_position_loss
+    from .train.evaluate import per_position_loss
 
     if a.buckets > a.seq_len:
         raise ConfigError(f"--buckets ({a.buckets}) is more than --seq-len ({a.seq_len}), which leaves buckets with no "
@@ -242,7 +242,7 @@ _tokenizer_arg = _path_arg("--tokenizer", "tokenizer.json", home=True, keep=("by
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .train_config import preset_names
+    from .config.train import preset_names
 
     p = _Parser(prog="longctx", description="Train hybrid long-context sparse models (KDA + DSA + MoE + mHC).")
     sub = p.add_subparsers(dest="cmd", required=True)

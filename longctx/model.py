@@ -27,7 +27,7 @@ from .layers.mlp import DenseMLP
 from .layers.moe import MoE
 from .layers.norms import RMSNorm
 from .layers.residual import build_residuals
-from .ops.fused_loss import LIGER_ROWS_PER_CALL, liger_token_losses, resolve_loss_impl
+from .ops.loss.liger import LIGER_ROWS_PER_CALL, liger_token_losses, resolve_loss_impl
 
 
 @dataclass
@@ -89,7 +89,7 @@ class LongCtxModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         # Chunked LM head + loss (a memory switch): rows of hidden per chunk; None = one shot.
         self.loss_chunk: int | None = 4096
-        # LM head + loss implementation: "auto" | "torch" | "liger" (longctx.ops.fused_loss); `last_impl`
+        # LM head + loss implementation: "auto" | "torch" | "liger" (longctx.ops.loss.liger); `last_impl`
         # says which ran in the last loss (impl_report shows it next to the layers').
         self.loss_impl: str = "auto"
         self.last_impl: str | None = None
@@ -153,7 +153,7 @@ class LongCtxModel(nn.Module):
         losses and a correct per-token backward in liger 0.8.5), LIGER_ROWS_PER_CALL rows per call and
         liger's own chunking inside; `loss_chunk` does not apply. Raises ConfigError when it cannot run.
         loss_impl "auto": liger on CUDA when liger imports and loss_chunk is on, torch otherwise (on CUDA
-        without liger it warns once). See longctx.ops.fused_loss.
+        without liger it warns once). See longctx.ops.loss.liger.
         """
         if resolve_loss_impl(self.loss_impl, h, chunked=bool(self.loss_chunk)) == "liger":
             B, S, D = h.shape
@@ -240,8 +240,8 @@ class LongCtxModel(nn.Module):
     def set_impls(self, loss: str | None = None, residual: str | None = None, indexer_kernel: str | None = None,
                   kda_conv: str | None = None, kda_norm: str | None = None, norm: str | None = None,
                   swiglu: str | None = None):
-        """auto | torch | liger for the LM head + loss (`loss_impl`, longctx.ops.fused_loss) and for every
-        mHC residual (`MHC.impl`, longctx.ops.mhc_liger); INDEXER_KERNELS for the indexers' Triton path
+        """auto | torch | liger for the LM head + loss (`loss_impl`, longctx.ops.loss.liger) and for every
+        mHC residual (`MHC.impl`, longctx.ops.mhc.liger); INDEXER_KERNELS for the indexers' Triton path
         (`KPoolIndexer.kernel`, two_phase by default); auto | torch | fla for the KDA short conv
         (`KimiDeltaAttention.conv_impl`, auto by default) and its gated output norm (`norm_impl`); auto | torch
         | triton for every RMSNorm (`RMSNorm.impl`, the setting norm_impl, auto by default) and every clamped
@@ -255,7 +255,7 @@ class LongCtxModel(nn.Module):
         from .layers.moe import Experts
         from .layers.norms import RMS_NORM_IMPLS, RMSNorm
         from .layers.residual import MHC, RESIDUAL_IMPLS
-        from .ops.fused_loss import LOSS_IMPLS
+        from .ops.loss.liger import LOSS_IMPLS
 
         for name, v, allowed in (("loss_impl", loss, LOSS_IMPLS), ("residual_impl", residual, RESIDUAL_IMPLS),
                                  ("indexer_kernel", indexer_kernel, INDEXER_KERNELS), ("kda_conv", kda_conv, CONV_IMPLS),

@@ -2,10 +2,19 @@
 (set HYPOTHESIS_PROFILE=explore locally to search fresh ones)."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
+
+# Tests mirror the package (tests/ops, tests/memory, ...); a CPU test may reuse a GPU test's comparison or a
+# shared helper (hf_reference, triton_interpreter), so every test folder is importable by module name.
+_TESTS = Path(__file__).resolve().parent
+for _d in sorted({p.parent for p in _TESTS.rglob("*.py")}):
+    if str(_d) not in sys.path:
+        sys.path.append(str(_d))
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False)

@@ -18,7 +18,7 @@ def step_drift(set_impl, impls=("torch", "triton"), seed: int = 0, device: str =
     """A tiny model of KDA layers and dense MLPs (no top-k a rounding could flip), torch KDA; for each
     impl `set_impl(model, impl)`, a bf16 autocast step; then an fp32 step on every plain-torch path.
     Returns {impl: {"loss", "err" (all gradients' rel-RMS vs fp32), "loss_err", "report" (the step log's
-    list)}}. `device` "cpu": the same steps on the CPU (tests/test_gpu_test_logic.py runs the logic there)."""
+    list)}}. `device` "cpu": the same steps on the CPU (tests/test_step_drift_gpu.py runs the logic there)."""
     from longctx.config import preset
     from longctx.model import LongCtxModel
 

@@ -10,7 +10,7 @@ every position. `own_decisions` records longctx's free choices, to count the fli
 
 `hf_torch_path` runs transformers' KDA on its own torch functions: with fla-core importable, its
 `chunk_kimi_delta_attention` is fla's `chunk_kda`, whose Triton dots take fp32 inputs through TF32.
-Used by tests/test_gpu_hf_fp32.py (and its CPU run in tests/test_gpu_test_logic.py) and bench/fp32_parity.py.
+Used by tests/test_hf_fp32_gpu.py (and its CPU run in tests/test_step_drift_gpu.py) and bench/fp32_parity.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import re
 
 import torch
 
-# transformers' text config of longctx's h200-ref preset (longctx/config.py), cut to `num_hidden_layers`
+# transformers' text config of longctx's h200-ref preset (longctx/config/model.py), cut to `num_hidden_layers`
 # (4: KKKD, dense MLP then three MoE layers, as h200-ref's first block).
 H200_REF_TEXT = dict(vocab_size=32768, hidden_size=1536, intermediate_size=4096, moe_intermediate_size=768,
                      num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=32,

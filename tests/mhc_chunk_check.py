@@ -1,8 +1,8 @@
-"""The comparison behind the chunked liger mHC stream ops (`longctx.ops.mhc_liger`, `_ChunkedPre` /
+"""The comparison behind the chunked liger mHC stream ops (`longctx.ops.mhc.liger`, `_ChunkedPre` /
 `_ChunkedPostRes`): against liger's own autograd Functions on the same inputs, every bf16 output and
 input gradient must be equal bit for bit (same kernels, same per-token arithmetic, same rounding), and
 the fp32 coefficient gradients (atomically accumulated over D blocks) equal to summation order.
-Used by tests/test_gpu_mhc.py on CUDA and by tests/test_mhc_liger_chunked.py under the Triton
+Used by tests/ops/test_mhc_gpu.py on CUDA and by tests/ops/test_mhc_liger_chunked.py under the Triton
 interpreter. Run as a script: `python tests/mhc_chunk_check.py [cuda|cpu]` prints a RESULT line per case."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 
 def _run(chunk, inputs, g1, g2):
-    from longctx.ops import mhc_liger
+    from longctx.ops.mhc import liger as mhc_liger
 
     # the streams as two leaves, one per op: each op's bf16 gradient is compared as its kernel wrote it
     # (summed by autograd, two gradients that differ by a rounding step can cancel into any distance)

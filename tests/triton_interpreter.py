@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TEST_DIRS = sorted({str(p.parent) for p in (ROOT / "tests").rglob("*.py")})  # as conftest.py puts them on sys.path
 
 
 def run_interpreted(script: str, timeout: int = 300) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), *TEST_DIRS, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, script], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

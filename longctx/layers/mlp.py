@@ -67,15 +67,15 @@ SWIGLU_IMPLS = FUSED_IMPLS  # the training setting swiglu_impl
 
 def swiglu_uses_triton(impl: str, *ts: torch.Tensor) -> bool:
     """`impl` (the training setting swiglu_impl): "torch" runs the Functions above, "triton" the fused
-    kernels of longctx/ops/swiglu_triton.py (same arithmetic and saved tensors), "auto" those on CUDA
+    kernels of longctx/ops/swiglu/triton.py (same arithmetic and saved tensors), "auto" those on CUDA
     (`ops.fused_kernel_runs`)."""
-    return fused_kernel_runs("swiglu_impl", impl, "swiglu_triton", *ts)
+    return fused_kernel_runs("swiglu_impl", impl, "swiglu.triton", *ts)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, impl: str = "torch") -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit), keeping only gate and up for backward."""
     if swiglu_uses_triton(impl, gate, up):
-        from ..ops.swiglu_triton import clamped_swiglu_triton
+        from ..ops.swiglu.triton import clamped_swiglu_triton
 
         return clamped_swiglu_triton(gate, up, limit)
     return _ClampedSwiGLU.apply(gate, up, limit)
@@ -86,7 +86,7 @@ def clamped_swiglu_packed(h: torch.Tensor, limit: float, impl: str = "torch") ->
     if h.shape[-1] % 2:
         raise ValueError(f"clamped_swiglu_packed: the last dim ({h.shape[-1]}) must be gate and up, of equal width.")
     if swiglu_uses_triton(impl, h):
-        from ..ops.swiglu_triton import clamped_swiglu_packed_triton
+        from ..ops.swiglu.triton import clamped_swiglu_packed_triton
 
         return clamped_swiglu_packed_triton(h, limit)
     return _ClampedSwiGLUPacked.apply(h, limit)

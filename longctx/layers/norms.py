@@ -50,7 +50,7 @@ RMS_NORM_IMPLS = FUSED_IMPLS  # the training setting norm_impl
 
 class RMSNorm(nn.Module):
     """`impl` (the training setting norm_impl): "torch" runs `_RMSNormFn`; "triton" the fused kernels of
-    longctx/ops/rms_norm_triton.py (same arithmetic and saved tensors; a ConfigError where they cannot
+    longctx/ops/rms_norm/triton.py (same arithmetic and saved tensors; a ConfigError where they cannot
     run); "auto" the kernels on CUDA where they take the shape, else torch, with a warning on CUDA.
     `last_impl` records which ran (the step log's implementation list)."""
 
@@ -63,7 +63,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._use_triton(x):
-            from ..ops.rms_norm_triton import rms_norm_triton
+            from ..ops.rms_norm.triton import rms_norm_triton
 
             self.last_impl = "norm:triton"
             return rms_norm_triton(x, self.weight, self.eps)
@@ -73,7 +73,7 @@ class RMSNorm(nn.Module):
     def _use_triton(self, x: torch.Tensor) -> bool:
         from ..ops import fused_kernel_runs
 
-        return fused_kernel_runs("norm_impl", self.impl, "rms_norm_triton", x, self.weight)
+        return fused_kernel_runs("norm_impl", self.impl, "rms_norm.triton", x, self.weight)
 
 
 class GatedRMSNorm(nn.Module):

@@ -15,10 +15,10 @@ per layer, so its size is the memory story: mHC's state is 4 streams wide, plain
   copy of the input is what autograd would save; `recompute_cast=True` (default) checkpoints the
   small projection so backward recasts it from the bf16 streams instead (seed 000: 8 GiB at 512k).
   `impl` (residual_impl) "auto" | "torch" | "liger": liger-kernel's Triton mHC ops compute the same
-  thing (longctx.ops.mhc_liger says how the two map, and where the precision differs); auto takes
+  thing (longctx.ops.mhc.liger says how the two map, and where the precision differs); auto takes
   them on CUDA when liger imports and `recompute_cast` is on (the baseline plan stays plain torch).
   `liger_chunk` (memory.mhc_chunk) runs liger's stream kernels over that many tokens at a time, so no
-  whole-sequence fp32 copy of the streams exists (longctx.ops.mhc_liger, `_ChunkedPostRes`).
+  whole-sequence fp32 copy of the streams exists (longctx.ops.mhc.liger, `_ChunkedPostRes`).
 - Block Attention Residuals (Kimi, arXiv 2603.15031): state = (completed block sums, partial sum
   of the current block). Each sub-layer's input is a softmax-weighted sum of the sources, weighted
   by a zero-initialised pseudo-query against RMS-normalised sources.
@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..errors import ConfigError, warn_fallback
-from ..ops import mhc_liger
+from ..ops.mhc import liger as mhc_liger
 
 RESIDUAL_IMPLS = ("auto", "torch", "liger")
 AUTO_USES_LIGER = True
@@ -68,7 +68,7 @@ class MHC(nn.Module):
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
         self.recompute_cast = True
         self.liger_chunk = mhc_liger.DEFAULT_CHUNK  # memory.mhc_chunk: tokens per call of liger's stream ops (0: liger's Functions)
-        self.impl = "auto"  # residual_impl: "auto" | "torch" | "liger" (longctx.ops.mhc_liger)
+        self.impl = "auto"  # residual_impl: "auto" | "torch" | "liger" (longctx.ops.mhc.liger)
         self.last_impl: str | None = None
 
     def pick_impl(self, streams: torch.Tensor) -> str:
@@ -89,7 +89,7 @@ class MHC(nn.Module):
                                   f"{mhc_liger.MAX_STREAMS} (got {self.n}); set residual_impl to 'torch' or 'auto'.")
             return "liger"
         # auto takes liger on CUDA: its ops match ours (out 3.3e-3, d_streams 3.9e-3 rel-RMS, bench/mhc.py), the
-        # whole model's gradients are as close to fp32 as the torch path's (6.9% vs 5.9%, tests/test_gpu_mhc.py on
+        # whole model's gradients are as close to fp32 as the torch path's (6.9% vs 5.9%, tests/ops/test_mhc_gpu.py on
         # the H200), and a 128k h200-ref step takes 5.87 s (bench/run_h200.sh liger) against 7.93 s with the torch path
         # (an earlier session's run, bench/results/memory_runs/1_*), +1.1 GiB peak.
         if not streams.is_cuda or not self.recompute_cast or not AUTO_USES_LIGER:

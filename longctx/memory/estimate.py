@@ -86,7 +86,7 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
     # residual connections: collapse input, norms, the expand (2 per block); mHC keeps its fp32
     # normalised copy unless the cast is recomputed. Each RMSNorm (norms._RMSNormFn) keeps its input and
     # one fp32 rstd per row: 4 bytes per element less than plain autograd's fp32 copy (runs before call
-    # 28; the saved-tensor meter checks both forms in tests/test_memory.py). The final norm and the DSA's
+    # 28; the saved-tensor meter checks both forms in tests/memory/test_memory.py). The final norm and the DSA's
     # two latent norms (not counted here) keep 4 bytes per element less the same way.
     res = 2 * (D * a * 3 - (0 if plain_ops else 4 * D - 4))
     if cfg.residual == "mhc":
@@ -429,7 +429,7 @@ AUTO_CHUNK_MAX = 131072
 
 
 # Kernels that address a tensor's elements with int32 offsets read and write out of bounds past 2^31
-# elements: liger's mHC kernels do (longctx/ops/mhc_liger.py now splits their launches), and after that
+# elements: liger's mHC kernels do (longctx/ops/mhc/liger.py now splits their launches), and after that
 # fix the 524,288-token whole-sequence step of h200-ref, whose widest tensors hold 4.3 G elements, still
 # stopped with an illegal memory access in its first forward on the H200 (calls 41-42; the culprit is not
 # located), while 262,144 tokens (2^31 elements exactly) ran. So the automatic plan takes a whole-sequence

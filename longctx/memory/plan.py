@@ -49,9 +49,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import _check_types
+from ..config.model import _check_types
 from ..errors import ConfigError, did_you_mean
-from ..ops.mhc_liger import DEFAULT_CHUNK as DEFAULT_MHC_CHUNK
+from ..ops.mhc.liger import DEFAULT_CHUNK as DEFAULT_MHC_CHUNK
 
 
 @dataclass
@@ -195,7 +195,7 @@ def plan_for_stage(cfg, stage, device, stage_index: int = 0) -> MemoryPlan:
     plan = MemoryPlan.from_dict(cfg.memory)
     if stage.memory:
         plan = MemoryPlan.from_dict(stage.memory, base=plan)
-    from ..trainer import resolve_dtype
+    from ..train.trainer import resolve_dtype
     from .estimate import resolve_auto
 
     act_bytes = resolve_dtype(cfg.dtype, torch.device(device)).itemsize  # activations in the autocast dtype

@@ -24,8 +24,8 @@ from .. import triton_interpreting
 from .naive import kpool_scores_torch, kpool_topk_torch, select_from_scores
 
 try:  # triton is optional on the CPU
-    from .triton_kernel import kpool_topk_triton
-    from .two_phase import kpool_scores_triton, kpool_topk_two_phase
+    from .fused import kpool_topk_triton
+    from .triton import kpool_scores_triton, kpool_topk_two_phase
 except ImportError:  # pragma: no cover - exercised only without triton installed
     kpool_topk_triton = kpool_scores_triton = kpool_topk_two_phase = None
 

@@ -1,0 +1,161 @@
+"""Fully sharded data parallelism for LongCtxModel: torch's FSDP2 (`fully_shard`) applied from outside.
+
+    mesh = build_mesh(world, ParallelConfig(cp=2))            # (dp, cp)
+    model = parallelize(model, mesh)                           # after CP / recompute set-up, before the optimizer
+    opt = make_optimizer(model, ...)                           # over the DTensor parameters
+    loss = loss_share(out.token_losses, labels, mesh)          # this rank's share of the global mean
+    loss.backward(); clip_grad_norm_(model.parameters(), 1.0); opt.step()
+
+What is sharded, over what. One FSDP unit per block of `model.layers`, then the root (embedding, the
+residual stream's own parameters, final norm and LM head, tied or not), so that at any time one
+block's parameters are whole. The units shard over *all* ranks of the (dp, cp) mesh, flattened:
+the cp ranks of a sequence hold the same parameters and each computes a part of their gradient
+(its tokens' share), so sharding over cp as well divides parameter, gradient and optimizer bytes by
+dp x cp instead of dp, and the reduce-scatter that FSDP runs anyway over the flattened group is the
+very sum over cp that context parallelism needs (see `longctx.distributed`). The all-gathers then
+also cross the cp ranks, which is where a sequence's exchanges already run.
+
+Gradient scale. Every rank's loss is its share of the global mean (`loss_share`: the token-loss sum
+over the rank's tokens divided by the label count of all ranks), so the single-process gradient is
+the *sum* of the ranks' gradients; FSDP's default divides by the group size (a mean of per-rank
+means), which is right only when every rank holds as many labels. The units here sum
+(`set_gradient_divide_factor(1)`, with sum-only collectives: gloo has no pre-scaled sum).
+
+Precision. `param_dtype` is what the all-gather delivers to the compute: None keeps the fp32
+parameters (the single-GPU numerics, with autocast giving bf16 matmuls), "auto" is bf16 on CUDA
+and fp32 elsewhere, or a dtype. Gradients are reduced in `reduce_dtype` (fp32) and the optimizer
+steps the fp32 shards. When the parameters are gathered below fp32, each MoE router is a unit of
+its own that stays fp32: its sigmoid scores choose the experts and its bias steps are small (HF
+keeps the router fp32; `Router` documents why).
+
+Recompute. `longctx.memory.recompute` runs each block through `block(...)` — its module call — in
+the no-grad forward and again in backward, so FSDP's hooks on the block fire both times: the
+forward all-gathers and reshards, the recompute all-gathers again and registers FSDP's backward
+hooks on its outputs, and the Function's inner `torch.autograd.backward` fires them (the
+reduce-scatter of the block's gradient runs there). FSDP does not reshard after a forward that runs
+inside backward, so the recompute's gathered parameters serve its backward: two all-gathers and one
+reduce-scatter per block per step, as without recompute (a test counts them). Code that runs pieces of the root outside `model.forward` (the sequence-chunked
+step calls `embed_state`, `norm` and `chunked_token_losses` itself) must hold the root's
+parameters gathered around that work: `root_gathered(model)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+
+def shard_mesh(mesh):
+    """The 1-D mesh FSDP shards over: all dims of a (dp, cp) mesh flattened ("dp_cp"), or the mesh
+    itself when it has one dim."""
+    if mesh.ndim == 1:
+        return mesh
+    name = "_".join(mesh.mesh_dim_names)
+    try:  # flattened once per mesh; a second flatten of the same dims is refused by some torch versions
+        return mesh[name]
+    except (KeyError, RuntimeError, ValueError):
+        return mesh[tuple(mesh.mesh_dim_names)]._flatten(name)
+
+
+def _resolve_param_dtype(param_dtype, mesh):
+    if isinstance(param_dtype, str):
+        if param_dtype != "auto":
+            from ..errors import ConfigError
+
+            raise ConfigError(f"parallelize: param_dtype must be 'auto', None or a torch dtype (got {param_dtype!r}).")
+        return torch.bfloat16 if mesh.device_type == "cuda" else None
+    return None if param_dtype == torch.float32 else param_dtype
+
+
+def _sum_gradients(module) -> None:
+    module.set_gradient_divide_factor(1.0)
+    if hasattr(module, "set_force_sum_reduction_for_comms"):
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize(model, mesh, *, param_dtype=None, reduce_dtype=torch.float32, reshard_after_forward: bool = True):
+    """Shard `model` (a LongCtxModel) in place with FSDP2 over every rank of `mesh` and return it.
+
+    Apply after the model is on its device and after anything that replaces its modules, before the
+    optimizer is built (it must see the sharded DTensor parameters). `model.block_fn` (recompute,
+    offload) keeps working: it calls the blocks."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from ..layers.moe import Router
+
+    fsdp_mesh = shard_mesh(mesh)
+    dtype = _resolve_param_dtype(param_dtype, mesh)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+    units = []
+    if dtype is not None:
+        keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for m in model.modules():
+            if isinstance(m, Router):
+                units.append(fully_shard(m, mesh=fsdp_mesh, mp_policy=keep, reshard_after_forward=reshard_after_forward))
+    for block in model.layers:
+        units.append(fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward))
+    units.append(fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward))
+    for u in units:
+        _sum_gradients(u)
+    return model
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+# ---------------------------------------------------------------------- the step around a sharded model
+def loss_share(token_losses: torch.Tensor, labels: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's share of the global mean token loss: its tokens' loss sum over the label count
+    of all ranks in `group` (a process group or a mesh; None: this process alone). Summed over the
+    ranks it is the single-process loss; backpropagated, the summed gradients are its gradient."""
+    n = (labels != -100).sum()
+    if group is not None:
+        if hasattr(group, "get_group"):
+            group = shard_mesh(group).get_group()
+        n = n.clone()
+        dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
+    return token_losses.sum() / n.clamp(min=1)
+
+
+def set_gradient_sync(model, sync: bool) -> None:
+    """Whether the next backward reduce-scatters the gradients: off for every micro-batch but the
+    last of an accumulated step, so the gradients are reduced once per step (FSDP keeps the
+    unsharded gradient of the earlier micro-batches until then)."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(sync)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for sharded (DTensor) gradients as well as plain ones: the norm
+    of the whole gradient over all shards, every gradient scaled by the same factor on every rank.
+    Returns the total norm as a plain tensor (the same on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
+    if isinstance(norm, DTensor):  # a partial sum over the shards: reduce it to the whole norm
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+    return norm
+
+
+@contextlib.contextmanager
+def root_gathered(model):
+    """Hold the root unit's parameters (embedding, final norm, LM head) gathered, for code that uses
+    them outside `model.forward`; gradients computed meanwhile are reduced by FSDP's post-backward."""
+    if not is_sharded(model):
+        yield model
+        return
+    model.unshard()
+    try:
+        yield model
+    finally:
+        model.reshard()

@@ -1,0 +1,1 @@
+"""RMSNorm: the fused Triton kernel (`triton.py`) beside the plain-torch twin."""

@@ -1,0 +1,1 @@
+"""The training loop (`trainer.py`), held-out per-position evaluation (`evaluate.py`) and plots."""

@@ -1,0 +1,672 @@
+"""The training loop: curriculum stages, logging, evaluation, checkpoints, resume.
+
+    longctx train                      # the CPU demo: small model, stdlib corpus, 1k -> 4k tokens
+    longctx train --preset h200-curriculum --out runs/h200
+
+One log line per step (step, stage, sequence length, loss, grad norm, tokens/s, peak memory, MoE
+balance, and which kernel each layer kind ran), metrics.jsonl always, TensorBoard when installed.
+Held-out per-position loss before and after training; PNG plots; atomic checkpoints (periodic, at
+the end of each stage, and at the step boundary after a SIGINT or SIGTERM). A resumed run takes
+the run's saved config and continues the data stream, optimizer, RNG, router balancing state and
+the stage's memory plan exactly, so its loss curve equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import resource
+import shlex
+import shutil
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+from .. import checkpoint as ckpt
+from ..data.packing import MixedStream, PackedStream, eval_windows
+from ..data.sources import load_documents, load_split
+from ..data.tokenizers import load_tokenizer, separator_id, tokenize_documents
+from ..errors import ConfigError, UserError
+from .evaluate import format_table, per_position_loss
+from ..memory import allocator
+from ..model import LongCtxModel
+from ..config.train import TrainConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device is 'cuda' but no CUDA GPU is visible; set device=auto or device=cpu.")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def lr_at(stage, step_in_stage: int) -> float:
+    if stage.warmup and step_in_stage < stage.warmup:
+        return stage.lr * (step_in_stage + 1) / stage.warmup
+    span = max(1, stage.steps - stage.warmup)
+    frac = min(1.0, (step_in_stage - stage.warmup) / span)
+    lo = stage.lr * stage.min_lr_ratio
+    if stage.schedule == "constant":
+        return stage.lr
+    if stage.schedule == "linear":
+        return stage.lr - (stage.lr - lo) * frac
+    return lo + 0.5 * (stage.lr - lo) * (1 + math.cos(math.pi * frac))
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device):
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and "router" not in n else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    extra = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=cfg.stages[0].lr, betas=tuple(cfg.betas), **extra)
+
+
+# ---------------------------------------------------------------------- the run folder
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "per_position_loss.png")
+TB_DIR = "tb"  # TensorBoard's event files (events.out.tfevents.*)
+
+
+class RunFolderError(UserError):
+    """An output folder that holds a run where none is expected, or none where --resume needs one."""
+
+
+def _is_checkpoint_dir(name: str) -> bool:
+    return ckpt.step_of_name(name.removesuffix(".partial")) is not None
+
+
+def run_markers(out: str) -> list[str]:
+    """What in `out` says a run lives there: its config, metrics, checkpoint link or checkpoints."""
+    if not os.path.isdir(out):
+        return []
+    names = sorted(os.listdir(out))
+    return ([n for n in ("config.json", "metrics.jsonl") if n in names]
+            + ([ckpt.LINK] if os.path.lexists(os.path.join(out, ckpt.LINK)) else [])
+            + [n for n in names if _is_checkpoint_dir(n)])
+
+
+def clear_run(out: str) -> list[str]:
+    """Delete what a run writes into `out`, and nothing else: the ckpt-<step> folders (whole or
+    .partial), the checkpoint link, config.json, metrics.jsonl, summary.json, the two plots and the
+    TensorBoard event files in tb/ (tb/ itself when that leaves it empty). Returns what it removed."""
+    if not os.path.isdir(out):
+        return []
+    removed = []
+    for n in sorted(os.listdir(out)):
+        p = os.path.join(out, n)
+        if _is_checkpoint_dir(n) and os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        elif n in (ckpt.LINK, ckpt.LINK + ".new") and os.path.islink(p):
+            os.remove(p)
+        elif n in RUN_FILES and os.path.isfile(p):
+            os.remove(p)
+        else:
+            continue
+        removed.append(n)
+    tb = os.path.join(out, TB_DIR)
+    if os.path.isdir(tb) and not os.path.islink(tb):
+        events = [n for n in os.listdir(tb) if n.startswith("events.out.tfevents.")]
+        for n in events:
+            os.remove(os.path.join(tb, n))
+        if events:
+            removed.append(f"{TB_DIR}/events.out.tfevents.* ({len(events)})")
+        if not os.listdir(tb):
+            os.rmdir(tb)
+    return removed
+
+
+def check_out_dir(out: str, resume: bool, force: bool) -> None:
+    """Refuse a fresh run over an existing one (unless `force`), and a resume where no run is."""
+    if resume and force:
+        raise RunFolderError("--resume and --force contradict each other (continue the run, or delete it and start "
+                             "afresh); pass only one of them.")
+    held = run_markers(out)
+    if resume and not held:
+        raise RunFolderError(f"--resume: --out {out} holds no run (no config.json or checkpoint there); check the "
+                             "folder, or drop --resume to start a run in it.")
+    if not resume and held and not force:
+        raise RunFolderError(f"--out {out} already holds a run ({', '.join(held[:4])}); pass --resume to continue "
+                             "it, or --force to start afresh (deleting its checkpoints, metrics, config, plots and "
+                             "TensorBoard events).")
+
+
+# ---------------------------------------------------------------------- interruptions
+class Interrupted(KeyboardInterrupt):
+    """The run stopped on SIGINT or SIGTERM at `step`; `checkpoint_step` is the step of the checkpoint
+    to resume from (the same step when the run saved one on its way out; None: the run has none).
+    The CLI prints `resume_hint()` and exits with 128 + signum."""
+
+    def __init__(self, signum: int, step: int, out: str, checkpoint_step: int | None):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.step, self.out, self.checkpoint_step = int(signum), step, out, checkpoint_step
+
+    def resume_hint(self) -> str:
+        out = shlex.quote(self.out)
+        if self.checkpoint_step is None:
+            return f"interrupted at step {self.step} before any checkpoint; start again with: longctx train --out {out} --force"
+        hint = f"interrupted at step {self.step}; resume with: longctx train --out {out} --resume"
+        if self.checkpoint_step != self.step:
+            hint += f" (it continues from the checkpoint of step {self.checkpoint_step})"
+        return hint
+
+
+def _say(msg: str) -> None:
+    """A line on stderr from a signal handler or after stdout's reader left: a raw write, never a
+    second exception (print may be half way through a line, and stderr may be a closed pipe too)."""
+    try:
+        os.write(2, (msg + "\n").encode())
+    except OSError:
+        pass
+
+
+class StopSignals:
+    """SIGINT and SIGTERM during `Trainer.run`. The first only records the signal; the step loop
+    reads it between steps, so the checkpoint it then writes holds the data cursor, optimizer and
+    RNG of one step boundary. A second one raises Interrupted at once, without a checkpoint (the
+    previous one stays whole: checkpoints are written aside and linked atomically). A signal the
+    process ignores (nohup, a background job) stays ignored; off the main thread nothing is installed."""
+
+    def __init__(self, trainer: "Trainer"):
+        self.trainer, self.signum, self._old = trainer, None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(s) is not signal.SIG_IGN:
+                    self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old if old is not None else signal.SIG_DFL)
+        self._old.clear()
+
+    def _handle(self, signum, frame):
+        t = self.trainer
+        if self.signum is not None:
+            _say(f"{signal.Signals(signum).name} again: stopping now, without a checkpoint of step {t.step}")
+            raise Interrupted(signum, t.step, t.out, t._saved_step)
+        self.signum = signum
+        _say(f"{signal.Signals(signum).name}: stopping with a checkpoint at the end of the step in flight "
+             "(send it again to stop at once, without one)")
+
+
+def _pipe_safe(log):
+    """`log`, except that a reader of stdout that has gone (`longctx train | tee` when Ctrl-C kills
+    tee, `| head`) does not end the run before its checkpoint: stdout then goes to /dev/null."""
+    def safe(msg):
+        try:
+            log(msg)
+        except BrokenPipeError:
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+            except (OSError, ValueError):
+                pass
+            _say("stdout's reader has gone; the run goes on without printing (metrics.jsonl has every step)")
+    return safe
+
+
+# ---------------------------------------------------------------------- resuming with the run's own config
+# What a resume may change: how long the stages run and how often the run logs, evaluates and
+# checkpoints. Everything else (model, data, window lengths, schedules, memory plan, kernels, seed)
+# stays as the run was started, so the resumed run continues the same training.
+RESUMABLE = re.compile(r"stages\.\d+\.steps|log_every|eval_every|ckpt_every")
+RESUMABLE_SAID = "stages.N.steps, eval_every, ckpt_every and log_every"
+_UNSET = object()
+
+
+def read_run_config(out: str) -> tuple[dict, str]:
+    """The run's saved config: OUT/config.json, else its checkpoint's copy. Returns (dict, path)."""
+    paths = [os.path.join(out, "config.json")]
+    if os.path.lexists(os.path.join(out, ckpt.LINK)):
+        paths.append(os.path.join(os.path.realpath(os.path.join(out, ckpt.LINK)), "train_config.json"))
+    for path in paths:
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    return json.load(f), path
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise RunFolderError(f"--resume: {path} is unreadable ({type(exc).__name__}: {exc}); restore it, or "
+                                     "delete it to resume with the checkpoint's copy of the config.") from None
+    raise RunFolderError(f"--resume: --out {out} holds no config.json and no checkpoint; check the folder, or drop "
+                         "--resume to start a run in it.")
+
+
+def _flat(v, key: str = "") -> dict:
+    """Dotted keys -> values (stages.0.seq_len); lists of numbers and empty tables stay whole."""
+    if isinstance(v, dict) and v:
+        items = v.items()
+    elif isinstance(v, list) and any(isinstance(x, dict) for x in v):
+        items = enumerate(v)
+    else:
+        return {key: v}
+    out = {}
+    for k, x in items:
+        out.update(_flat(x, f"{key}.{k}" if key else str(k)))
+    return out
+
+
+def _trained_per_stage(stage_steps: list[int], step: int) -> list[int]:
+    out, start = [], 0
+    for n in stage_steps:
+        out.append(min(max(step - start, 0), n))
+        start += n
+    return out
+
+
+def resume_changes(saved: dict, cfg: TrainConfig, step: int | None, where: str = "config.json") -> list[str]:
+    """How `cfg` differs from the run's saved config, as "key: old -> new" lines. A difference in a
+    setting outside RESUMABLE, or a stages.N.steps that would move steps the checkpoint (at `step`)
+    has already trained into another stage, is a RunFolderError."""
+    old = _flat({k: v for k, v in TrainConfig.from_dict(saved).to_dict().items() if k != "out_dir"})
+    new = _flat({k: v for k, v in cfg.to_dict().items() if k != "out_dir"})
+    changes = []
+    for key in [*new, *(k for k in old if k not in new)]:
+        a, b = old.get(key, _UNSET), new.get(key, _UNSET)
+        if a == b or (a is _UNSET and b in ({}, [])) or (b is _UNSET and a in ({}, [])):
+            continue
+        said = [("unset" if x is _UNSET else json.dumps(x)) for x in (a, b)]
+        if _UNSET in (a, b) or not RESUMABLE.fullmatch(key):
+            raise RunFolderError(
+                f"--resume: {key} is {said[0]} in the run's saved config ({where}) but {said[1]} now; leave it out "
+                f"to resume the run as it was (only {RESUMABLE_SAID} may change on resume), or train with it in a "
+                "new --out.")
+        changes.append(f"{key}: {said[0]} -> {said[1]}")
+    if step is not None:
+        before = _trained_per_stage([s["steps"] for s in saved["stages"]], step)
+        after = _trained_per_stage([s.steps for s in cfg.stages], step)
+        for i, (x, y) in enumerate(zip(before, after)):
+            if x != y:
+                raise RunFolderError(
+                    f"--resume: stages.{i}.steps={cfg.stages[i].steps} would change the {x} steps the checkpoint "
+                    f"(step {step}) has trained in stage {i}; change only the steps of the stage it is in and later "
+                    "ones, to at least what they have trained.")
+    return changes
+
+
+def resume_config(out: str, config_file: str | None = None, preset: str | None = None, sets=()) -> TrainConfig:
+    """The config to resume the run in `out` with: its saved config, with what --config / --preset /
+    --set give laid over it; refused (RunFolderError) where that changes more than RESUMABLE."""
+    from ..config.train import _assign, _check_keys, _merge, _read_config_file, _split_set
+
+    saved, where = read_run_config(out)
+    raw = _read_config_file(config_file) if config_file else {}
+    _check_keys(raw, "")
+    pairs = [_split_set(s) for s in sets]
+    d = json.loads(json.dumps(saved))
+    name = raw.pop("preset", None)
+    name = preset if preset is not None else name
+    for k, v in pairs:
+        name = v if k == "preset" else name
+    if name is not None:
+        d["preset"] = name
+    _merge(d, raw)
+    for k, v in pairs:
+        if k != "preset":
+            _assign(d, k, v)
+    d["out_dir"] = out
+    cfg = TrainConfig.from_dict(d)
+    link = os.path.join(out, ckpt.LINK)
+    step = ckpt.step_of_name(os.path.basename(os.path.realpath(link))) if os.path.lexists(link) else None
+    resume_changes(saved, cfg, step, where)
+    return cfg
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, out_dir: str | None = None, quiet: bool = False, log=print):
+        self.cfg = cfg
+        self.out = out_dir or cfg.out_dir
+        self.quiet, self.log = quiet, _pipe_safe(log)
+        self._saved_step = None  # the step of the newest checkpoint in self.out
+        self._stop = StopSignals(self)
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        if self.device.type == "cuda":
+            self.log(f"CUDA allocator: {allocator.configure(cfg.cuda_alloc)}")
+        torch.manual_seed(cfg.seed)
+        tok = load_tokenizer(cfg.data.tokenizer)
+        if tok.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+                f"({tok.vocab_size}); set model.vocab_size >= {tok.vocab_size}."
+            )
+        self.tokenizer = tok
+        train_docs, eval_docs = load_split(cfg.data.path, cfg.data.text_field, cfg.data.eval_docs)
+        self.train_tokens = tokenize_documents(train_docs, tok, quiet=quiet, desc="tokenizing train")
+        self.eval_tokens = tokenize_documents(eval_docs, tok, quiet=quiet, desc="tokenizing eval")
+        eos = separator_id(tok, cfg.data.separator)
+        self.stream = PackedStream(self.train_tokens, cfg.stages[0].seq_len, cfg.seed, eos_id=eos,
+                                   batch_size=cfg.stages[0].batch_size)
+        # Per-stage data mixtures: "main" (data.path) plus the named data.sources.
+        self.source_names = ["main", *cfg.data.sources]
+        if len(self.source_names) > 1:
+            streams = [self.stream]
+            for j, name in enumerate(self.source_names[1:], 1):
+                docs = load_documents(cfg.data.sources[name], cfg.data.text_field, setting=f"data.sources.{name}")
+                toks = tokenize_documents(docs, tok, quiet=quiet, desc=f"tokenizing {name}")
+                streams.append(PackedStream(toks, cfg.stages[0].seq_len, cfg.seed + j, eos_id=eos,
+                                            batch_size=cfg.stages[0].batch_size))
+            self.stream = MixedStream([(st, 1.0) for st in streams], cfg.seed, cfg.stages[0].batch_size)
+        n_train = sum(len(t) for t in self.train_tokens)  # the main source bounds the window
+        for i, s in enumerate(cfg.stages):
+            if s.seq_len * s.batch_size >= n_train:
+                raise ConfigError(
+                    f"stages.{i}.seq_len x batch_size ({s.seq_len * s.batch_size:,} tokens) is longer than the whole training "
+                    f"corpus ({n_train:,} tokens); lower it or point data.path at more text."
+                )
+        self.eval_set = None  # data.eval_windows=0: no evaluation at all
+        if cfg.data.eval_windows > 0:
+            eval_len = max(s.seq_len for s in cfg.stages)
+            longest = max((len(t) for t in self.eval_tokens), default=0) - 1
+            if 0 < longest < eval_len:  # e.g. the stdlib corpus under a 1M-token curriculum
+                if not quiet:
+                    log(f"note: held-out documents are at most {longest + 1} tokens; evaluating at that length, not {eval_len}")
+                eval_len = longest
+            self.eval_set = eval_windows(self.eval_tokens, eval_len, cfg.data.eval_windows, starts_only=False).tokens
+        self.model = LongCtxModel(cfg.model).to(self.device)
+        self.model.set_backend(cfg.backend)
+        self.model.set_impls(loss=cfg.loss_impl, residual=cfg.residual_impl, indexer_kernel=cfg.indexer_kernel,
+                             kda_conv=cfg.kda_conv, kda_norm=cfg.kda_norm, norm=cfg.norm_impl,
+                             swiglu=cfg.swiglu_impl)
+        self.opt = make_optimizer(self.model, cfg, self.device)
+        self.step = 0
+        self.before = None
+        self.history: list[dict] = []
+        self.memory_policy = None
+        self.stage_entered = None  # the stage whose window, mixture and memory plan are in place
+        self.stage_estimate_gib = None  # `longctx estimate` of the stage's plan (CUDA only), shown beside each peak
+        self._tb = None
+
+    # ------------------------------------------------------------------ bookkeeping
+    def stage_at(self, step: int) -> tuple[int, int]:
+        acc = 0
+        for i, s in enumerate(self.cfg.stages):
+            if step < acc + s.steps:
+                return i, step - acc
+            acc += s.steps
+        return len(self.cfg.stages), 0
+
+    def _record(self, rec: dict):
+        self.history.append(rec)
+        with open(os.path.join(self.out, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self._tb is not None and "loss" in rec:
+            for k in ("loss", "grad_norm", "tokens_per_s", "lr", "peak_gib"):
+                if rec.get(k) is not None:
+                    self._tb.add_scalar(k, rec[k], rec["step"])
+
+    def state(self) -> dict:
+        return {"step": self.step, "data": self.stream.state_dict(), "before": self.before}
+
+    def save(self, reason: str):
+        if self._saved_step == self.step:  # nothing has changed since; a rewrite would first delete it
+            return os.path.join(self.out, f"ckpt-{self.step:06d}")
+        path = ckpt.save(self.out, self.step, self.model, self.opt, self.state(), self.cfg.to_dict())
+        self._saved_step = self.step
+        if not self.quiet:
+            self.log(f"checkpoint ({reason}): {path}")
+        return path
+
+    def resume(self):
+        """Continue from OUT/checkpoint. self.cfg may differ from the run's saved config only in
+        RESUMABLE settings (logged); anything else is refused before the run folder changes."""
+        if not os.path.isdir(os.path.join(self.out, ckpt.LINK)):
+            raise RunFolderError(f"--resume: --out {self.out} has no checkpoint (the run stopped before writing one, or "
+                                 "its checkpoint link points nowhere); start the run afresh with --force.")
+        saved, where = read_run_config(self.out)
+        st = ckpt.load(self.out, self.model, self.opt, device=self.device)
+        changes = resume_changes(saved, self.cfg, st.get("step", 0), where)
+        self.step = self._saved_step = st.get("step", 0)
+        self.stream.load_state_dict(st["data"])
+        self.before = st.get("before")
+        # keep metrics.jsonl consistent with the checkpoint: drop records after its step
+        path = os.path.join(self.out, "metrics.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                recs = [r for r in map(_json_or_none, f) if r is not None]
+            recs = [r for r in recs if r.get("step", 0) <= self.step]
+            with open(path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in recs)
+            self.history = recs
+        if not self.quiet:
+            self.log(f"resumed from step {self.step}")
+        for c in changes:  # said even when quiet: the run now differs from how it was started
+            self.log(f"resume changes {c}")
+
+    def _eval_forward(self):
+        """The sequence-chunked forward when the memory plan trains the evaluation length in chunks
+        (a whole-sequence forward at 1M tokens would not fit either); None = one plain forward.
+        Decided once: the memory settings and the evaluation length do not change during a run."""
+        if not hasattr(self, "_eval_fwd"):
+            self._eval_fwd = self._pick_eval_forward()
+        return self._eval_fwd
+
+    def _pick_eval_forward(self):
+        from ..memory.estimate import resolve_auto
+        from ..memory.plan import MemoryPlan
+        from ..memory.sequence_chunks import SequenceChunker
+
+        L = self.eval_set.shape[1] - 1
+        plan, _ = resolve_auto(MemoryPlan.from_dict(self.cfg.memory), self.cfg.model, L, self.device,
+                               resolve_dtype(self.cfg.dtype, self.device).itemsize, self.cfg.residual_impl,
+                               self.cfg.kda_norm)
+        c = plan.seq_chunk_tokens()
+        return SequenceChunker(c).token_losses if 0 < c < L else None
+
+    def evaluate(self, label: str) -> dict | None:
+        """The held-out loss, overall and in 8 position buckets (fewer for windows under 8 tokens);
+        None when data.eval_windows=0 turns evaluation off."""
+        if self.eval_set is None:
+            return None
+        n_buckets = min(8, self.eval_set.shape[1] - 1)
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            res = per_position_loss(self.model, self.eval_set, n_buckets=n_buckets, device=self.device,
+                                    progress=not self.quiet and sys.stderr.isatty(),
+                                    token_losses=self._eval_forward())
+        self._record({"step": self.step, "eval": label, "eval_loss": res["loss"], "buckets": res["buckets"]})
+        return res
+
+    # ------------------------------------------------------------------ the loop
+    def train_step(self, stage, step_in_stage: int) -> dict:
+        model = self.model
+        batch = self.stream.next_batch()
+        x, y = batch.inputs.to(self.device), batch.labels.to(self.device)
+        lr = lr_at(stage, step_in_stage)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        chunked = getattr(self.memory_policy, "forward_backward", None)
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            if chunked is not None:  # sequence-chunked step: forward and backward in one sweep pair
+                out = chunked(model, x, y)
+            else:
+                out = model(x, labels=y, return_logits=False)
+        if chunked is None:
+            out.loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        model.apply_balance_updates()
+        if self.memory_policy is not None:
+            self.memory_policy.end_step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        rec = {"step": self.step + 1, "stage": self.stage_at(self.step)[0], "seq_len": stage.seq_len,
+               "loss": out.lm_loss.item(), "grad_norm": gn.item(), "lr": lr,
+               "tokens_per_s": x.numel() / dt, "step_s": dt, "peak_gib": peak_memory_gib(self.device),
+               "moe_max_over_mean": model.moe_balance(), "impl": model.impl_report()}
+        if self.stage_estimate_gib is not None:
+            rec["estimate_gib"] = self.stage_estimate_gib
+        for k, v in out.aux.items():
+            rec[k] = v.item()
+        model.clear_aux()
+        return rec
+
+    def format(self, r: dict) -> str:
+        bal = f" | moe max/mean {r['moe_max_over_mean']:.2f}" if r.get("moe_max_over_mean") else ""
+        est = f" (est {r['estimate_gib']:.1f})" if r.get("estimate_gib") is not None else ""
+        return (f"step {r['step']:5d} | stage {r['stage']} | seq {r['seq_len']:7d} | loss {r['loss']:.4f} | "
+                f"gnorm {r['grad_norm']:.2f} | {r['tokens_per_s']:8.0f} tok/s | peak {r['peak_gib']:.2f} GiB{est}{bal} | "
+                f"{r['impl']}")
+
+    def run(self, resume: bool = False, stop_after: int | None = None, force: bool = True) -> dict:
+        """Train to the end (or `stop_after` steps in total). A fresh run (not `resume`) into a folder
+        holding a run clears it first (`clear_run`) when `force`, else refuses; the CLI passes
+        force only with --force, while a caller of this method asks for a fresh run by calling it.
+        SIGINT / SIGTERM end the step in flight, save a checkpoint and raise Interrupted."""
+        with self._stop:
+            return self._run(resume, stop_after, force)
+
+    def _run(self, resume: bool, stop_after: int | None, force: bool) -> dict:
+        check_out_dir(self.out, resume, force and not resume)
+        if resume:
+            self.resume()
+        elif force:
+            removed = clear_run(self.out)
+            if removed and not self.quiet:
+                self.log(f"--force: removed the previous run's {', '.join(removed)} from {self.out}")
+        os.makedirs(self.out, exist_ok=True)
+        with open(os.path.join(self.out, "config.json"), "w") as f:
+            json.dump(self.cfg.to_dict(), f, indent=2, default=str)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(self.out, "tb"))
+        except Exception:
+            self._tb = None
+        n = self.model.num_parameters()
+        if not self.quiet:
+            self.log(f"model: {self.cfg.model.summary()} | {n['total'] / 1e6:.2f}M params ({n['active'] / 1e6:.2f}M active)"
+                     + (f" | {self.cfg.vocab_note}" if self.cfg.vocab_note else ""))
+            self.log(f"data: {len(self.train_tokens)} train docs ({sum(len(t) for t in self.train_tokens):,} tokens), "
+                     f"{len(self.eval_tokens)} held-out docs; device {self.device}, dtype {str(self.dtype).replace('torch.', '')}")
+        if self.before is None and self.eval_set is not None:
+            self.before = self.evaluate("before")
+            if not self.quiet:
+                self.log(f"held-out loss before training: {self.before['loss']:.4f}")
+        total = self.cfg.total_steps()
+        last = total if stop_after is None else min(total, stop_after)
+        while self.step < last and self._stop.signum is None:  # a signal waits for the step boundary
+            si, k = self.stage_at(self.step)
+            stage = self.cfg.stages[si]
+            if si != self.stage_entered:
+                self.enter_stage(si)
+            rec = self.train_step(stage, k)
+            self.step += 1
+            self._record(rec)
+            if not self.quiet and (self.step % max(1, self.cfg.log_every) == 0 or self.step == last):
+                self.log(self.format(rec))
+            end_of_stage = self.stage_at(self.step)[1] == 0
+            if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < total:
+                self.evaluate(f"step{self.step}")
+            if (self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0) or (end_of_stage and self.step < last):
+                self.save("periodic" if not end_of_stage else "end of stage")
+        if self._stop.signum is not None:
+            name = signal.Signals(self._stop.signum).name
+            self.save(name)
+            self.log(f"stopped by {name} at step {self.step}")
+            raise Interrupted(self._stop.signum, self.step, self.out, self._saved_step)
+        if self.step < total:  # stopped early on request: checkpoint to resume from
+            self.save("stopped")
+            return {"step": self.step, "stopped": True}
+        after = self.evaluate("after")
+        self.save("final")
+        table = None  # no table or per-position plot without an evaluation (data.eval_windows=0)
+        from . import plots
+        plots.loss_curve(self.history, os.path.join(self.out, "loss.png"))
+        if after is not None and self.before is not None:
+            table = format_table(self.before, after)
+            if not self.quiet:
+                self.log("held-out loss by position (before -> after):\n" + table)
+            plots.per_position(self.before, after, os.path.join(self.out, "per_position_loss.png"))
+        elif os.path.exists(os.path.join(self.out, "per_position_loss.png")):  # an earlier run's, not this one's
+            os.remove(os.path.join(self.out, "per_position_loss.png"))
+        summary = {"step": self.step, "before": self.before, "after": after, "table": table}
+        with open(os.path.join(self.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        if self._tb is not None:
+            self._tb.close()
+        return summary
+
+    def enter_stage(self, si: int):
+        """Set up everything stage `si` sets: the window shape, the data mixture and the memory plan.
+        Keyed by the stage, not by its first step, so a run resumed in the middle of a stage builds
+        the same state as the run that got there without stopping."""
+        stage = self.cfg.stages[si]
+        self.stream.set_window(stage.seq_len, stage.batch_size)
+        if isinstance(self.stream, MixedStream):
+            mix = stage.data_mix or {"main": 1.0}
+            self.stream.set_weights([float(mix.get(n, 0.0)) for n in self.source_names])
+        self.apply_memory(stage)
+        self.stage_entered = si
+        if not self.quiet:
+            self.log(f"stage {si}: {stage.steps} steps at {stage.seq_len} tokens x {stage.batch_size}, lr {stage.lr}")
+
+    def apply_memory(self, stage):
+        """Apply the stage's memory plan (see longctx.memory); a no-op until a plan is set."""
+        try:
+            from ..memory.plan import apply_plan, plan_for_stage
+        except ImportError:
+            return
+        plan = plan_for_stage(self.cfg, stage, self.device, self.cfg.stages.index(stage))
+        if getattr(self.memory_policy, "close", None) is not None:
+            self.memory_policy.close()  # the previous stage's kept pinned buffers
+        self.memory_policy = apply_plan(self.model, plan)
+        self.stage_estimate_gib = None
+        if self.device.type == "cuda":  # each step's line then shows the measured peak beside it
+            from ..memory.estimate import device_gpu_key, estimate
+
+            e = estimate(self.cfg.model, stage.seq_len * stage.batch_size, plan, 1, device_gpu_key(self.device),
+                         self.dtype.itemsize, residual_impl=self.cfg.residual_impl, kda_norm=self.cfg.kda_norm)
+            self.stage_estimate_gib = e["gpu_bytes"] / 2**30
+        from ..memory.estimate import whole_sequence_warning
+
+        warning = whole_sequence_warning(self.cfg.model, stage.seq_len * stage.batch_size, plan)
+        if warning and self.device.type == "cuda":  # the CPU's kernels index in 64 bits
+            self.log(f"warning: {warning}")
+        if not self.quiet:
+            self.log(f"memory plan: {plan.describe()}")
+            if self.stage_estimate_gib is not None:
+                self.log(f"memory estimate: {self.stage_estimate_gib:.1f} GiB of {e['gpu_capacity'] / 2**30:.1f}, "
+                         f"peak during {e['peak_phase']} (`longctx estimate` prints the breakdown)")
+
+
+def _json_or_none(line: str):
+    """One metrics.jsonl record; None for a blank line or one cut short by a hard stop."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+
+
+def train(cfg: TrainConfig, **kw) -> dict:
+    out_dir = kw.pop("out_dir", None)
+    quiet = kw.pop("quiet", False)
+    return Trainer(cfg, out_dir=out_dir, quiet=quiet).run(**kw)
+
+
+__all__ = ["Trainer", "train", "UserError"]

@@ -1,0 +1,146 @@
+"""mHC's coefficient projection in Triton (longctx/ops/mhc/triton.py) against its plain-torch twin
+(`layers.residual`'s RMSNorm-then-linear in fp32) under the Triton interpreter on the CPU: mix, grad x and
+grad fn, fp32 and bf16 streams, row counts and widths that are not multiples of the blocks, more than one
+row group in the backward, M below 16. Run as a script under TRITON_INTERPRET=1 it prints a RESULT line
+per case (tests/triton_interpreter.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+EPS = 1e-5
+CASES = [  # name, rows N, n streams, D hidden, dtype
+    ("fp32_n4", 37, 4, 24, "float32"),
+    ("bf16_n4", 130, 4, 96, "bfloat16"),
+    ("fp32_n2_two_groups", 600, 2, 100, "float32"),  # M = 8 (< 16), K = 200 (not a multiple of 64)
+]
+
+
+def compare(name, N, n, D, dtype, device="cpu", seed=0):
+    """{mix, dx, dfn: rel-RMS} of the kernels against the twin (tests/ops/test_mhc_projection_gpu.py runs it on CUDA)."""
+    from longctx.layers.residual import _rms
+    from longctx.ops.mhc.triton import mhc_project_triton
+
+    g = torch.Generator().manual_seed(seed)
+    M, K = (2 + n) * n, n * D
+    x0 = (torch.randn(N, K, generator=g) * 2).to(device=device, dtype=getattr(torch, dtype))
+    fn0 = (torch.randn(M, K, generator=g) * 0.05).to(device)
+    dmix = torch.randn(N, M, generator=g).to(device)
+    out = {}
+    for tag, op in (("ref", lambda x, fn: torch.nn.functional.linear(_rms(x.float(), EPS), fn)),
+                    ("tri", lambda x, fn: mhc_project_triton(x, fn, EPS))):
+        x, fn = x0.clone().requires_grad_(True), fn0.clone().requires_grad_(True)
+        mix = op(x, fn)
+        mix.backward(dmix)
+        out[tag] = (mix.detach(), x.grad, fn.grad)
+    res = {}
+    for what, a, b in zip(("mix", "dx", "dfn"), out["tri"], out["ref"]):
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, what, a.dtype, b.dtype)
+        res[what] = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    return res
+
+
+def compare_coefficients(name, B, S, n, D):
+    """mhc_liger.liger_mhc_coefficients with PROJECTION "triton" (ours + liger's Sinkhorn) against "liger"
+    (liger's Function): pre, post, comb and the gradients of streams, fn, base and scale (fp32 streams)."""
+    import dataclasses
+
+    from longctx.config import preset
+    from longctx.layers.residual import MHC
+    from longctx.ops.mhc import liger as mhc_liger
+
+    torch.manual_seed(0)
+    mhc = MHC(dataclasses.replace(preset("tiny"), hc_streams=n, hidden_size=D))
+    with torch.no_grad():
+        mhc.base.normal_(0.0, 0.5)
+        mhc.scale.uniform_(0.5, 1.5)
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(B, S, n, D, generator=g)
+    gs = [torch.randn(B, S, n, generator=g), torch.randn(B, S, n, generator=g), torch.randn(B, S, n, n, generator=g)]
+    out, before = {}, mhc_liger.PROJECTION
+    for proj in ("liger", "triton"):
+        mhc_liger.PROJECTION = proj
+        mhc.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_(True)
+        got = mhc_liger.liger_mhc_coefficients(x, mhc.fn, mhc.base, mhc.scale, iters=mhc.iters, hc_eps=mhc.hc_eps,
+                                               norm_eps=mhc.norm_eps)
+        sum((t * w).sum() for t, w in zip(got, gs)).backward()
+        out[proj] = [t.detach() for t in got] + [x.grad, mhc.fn.grad, mhc.base.grad, mhc.scale.grad]
+    mhc_liger.PROJECTION = before
+    names = ("pre", "post", "comb", "d_streams", "d_fn", "d_base", "d_scale")
+    return {w: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+            for w, a, b in zip(names, out["triton"], out["liger"])}
+
+
+COEFF_CASES = [("coeff_n4", 2, 45, 4, 96)]
+
+
+def test_projection_matches_the_torch_twin_under_the_interpreter():
+    from triton_interpreter import run_interpreted
+
+    got = run_interpreted("tests/ops/test_mhc_projection.py", timeout=300)
+    assert len(got) == len(CASES) + (len(COEFF_CASES) if _liger_here() else 0)
+    for name, _, _, _, dt in CASES:
+        r = got[name]
+        # fp32: the same products in another order; bf16: the twin's grad x is rounded by autograd's cast
+        # of an fp32 gradient, the kernel rounds its own fp32 value (one bf16 step at most)
+        tol = 1e-5 if dt == "float32" else 5e-3
+        assert all(r[w] <= tol for w in ("mix", "dx", "dfn")), (name, r)
+
+
+def _liger_here() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def test_coefficients_with_our_projection_equal_ligers_under_the_interpreter():
+    """PROJECTION = "triton": the coefficient Function with our projection computes what liger's does
+    (the same Sinkhorn kernels; the projection's products in another order): fp32 streams, every output and
+    gradient within 1e-5. Needs liger-kernel (the CPU CI has none: skipped there)."""
+    if not _liger_here():
+        pytest.skip("liger-kernel is not installed")
+    from triton_interpreter import run_interpreted
+
+    got = run_interpreted("tests/ops/test_mhc_projection.py", timeout=600)
+    for name, *_ in COEFF_CASES:
+        r = got[name]
+        assert all(v <= 1e-5 for k, v in r.items() if k != "name"), r
+
+
+def test_wider_streams_run_ligers_projection_and_say_so(monkeypatch):
+    """Our projection's tiles do not fit sm_90's shared memory past 8 streams: there liger's projection runs,
+    with a warning naming hc_streams (never silently), and the step record says mhc:liger."""
+    from longctx import errors
+    from longctx.ops.mhc import liger as mhc_liger
+
+    monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
+    monkeypatch.setattr(mhc_liger, "PROJECTION", "triton")
+    assert mhc_liger.projection(4) == mhc_liger.projection(mhc_liger.PROJECT_MAX_STREAMS) == "triton"
+    with pytest.warns(RuntimeWarning, match="hc_streams <= 8 \\(got 16\\)"):
+        assert mhc_liger.projection(16) == "liger"
+    monkeypatch.setattr(mhc_liger, "PROJECTION", "liger")
+    assert mhc_liger.projection(4) == "liger"
+
+
+def test_refuses_cpu_tensors_outside_the_interpreter():
+    from longctx.ops.mhc.triton import mhc_project_triton
+
+    with pytest.raises(RuntimeError, match="CUDA"):
+        mhc_project_triton(torch.zeros(2, 8), torch.zeros(24, 8), EPS)
+
+
+if __name__ == "__main__":  # tests/triton_interpreter.py collects the RESULT lines
+    import json
+
+    for case in CASES:
+        print("RESULT " + json.dumps({"name": case[0], **compare(*case)}))
+    if _liger_here():
+        for case in COEFF_CASES:
+            print("RESULT " + json.dumps({"name": case[0], **compare_coefficients(*case)}))
+    sys.exit(0)

@@ -1,0 +1,150 @@
+"""The Triton DSA kernel on CUDA in bf16 at the real width (D=512, K=2051) against the fp32 torch twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def causal_pool_indices(S: int, K: int, pool: int = 4, device="cuda", generator=None) -> torch.Tensor:
+    """DSA-like indices: for query t, whole pools of `pool` earlier tokens (the most recent ones plus
+    random older ones, distinct), then the visible tail of the current incomplete pool, -1 elsewhere."""
+    n_sel = (K - (pool - 1)) // pool
+    t = torch.arange(S, device=device)
+    n_pool = (t + 1) // pool  # complete pools visible to query t
+    r = torch.arange(n_sel, device=device)
+    n_recent = min(64, n_sel)
+    # older pools: one random pick in each of (n_sel - n_recent) equal strata of [0, n_pool - n_recent)
+    n_old = n_sel - n_recent
+    span = (n_pool - n_recent).clamp(min=0).to(torch.float32)
+    u = torch.rand(S, max(n_old, 1), device=device, generator=generator)[:, :n_old]
+    i = torch.arange(n_old + 1, device=device, dtype=torch.float64)
+    edges = torch.floor(i[None, :] * span[:, None].double() / max(n_old, 1)).long()  # integer strata
+    lo, hi = edges[:, :-1], edges[:, 1:]
+    old = lo + (u * (hi - lo)).long()
+    recent = n_pool[:, None] - 1 - torch.arange(n_recent, device=device)
+    pools = torch.cat([recent, old], 1)
+    few = n_pool <= n_sel  # short prefixes: every complete pool
+    pools = torch.where(few[:, None], r[None, :], pools)
+    pools = torch.where(pools < n_pool[:, None], pools, -1)
+    tok = pools[:, :, None] * pool + torch.arange(pool, device=device)
+    tok = torch.where(pools[:, :, None] >= 0, tok, -1).flatten(1)
+    tail = n_pool[:, None] * pool + torch.arange(pool - 1, device=device)
+    tail = torch.where(tail <= t[:, None], tail, -1)
+    idx = torch.cat([tok, tail], 1)
+    # shuffle slot order: the kernel must not rely on any order
+    perm = torch.argsort(torch.rand(S, idx.shape[1], device=device, generator=generator), dim=1)
+    return torch.gather(idx, 1, perm)[:, :K].to(torch.int32)
+
+
+def _rel(a, b):
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+@pytest.mark.parametrize(
+    "B,S,H,K",
+    [
+        (1, 2301, 16, 2051),  # past the 2048-token prefix: full index lists, S not a tile multiple
+        (2, 333, 64, 2051),  # every query has -1 padding, two sequences
+        (1, 200, 128, 2051),  # two head groups
+        (1, 150, 5, 2051),  # heads padded up to the MMA minimum
+    ],
+)
+def test_bf16_matches_fp32_twin(B, S, H, K):
+    from longctx.ops.sparse_attention.naive import sparse_attention_torch
+    from longctx.ops.sparse_attention.triton import sparse_attention_triton
+
+    D = 512
+    g = torch.Generator(device="cuda").manual_seed(S * 131 + H)
+    q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    kv = torch.randn(B, S, D, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    idx = torch.stack([causal_pool_indices(S, K, generator=g) for _ in range(B)])
+    scale = D**-0.5 * 2.0  # a bit peakier than uniform so the softmax matters
+    do = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16()
+
+    o = sparse_attention_triton(q, kv, idx, scale)
+    dq, dkv = torch.autograd.grad(o, (q, kv), do)
+
+    q32 = q.detach().float().requires_grad_(True)
+    kv32 = kv.detach().float().requires_grad_(True)
+    o_ref = sparse_attention_torch(q32, kv32, idx, scale, chunk=32)
+    dq_ref, dkv_ref = torch.autograd.grad(o_ref, (q32, kv32), do.float())
+
+    assert o.dtype == torch.bfloat16 and dq.dtype == torch.bfloat16 and dkv.dtype == torch.bfloat16
+    assert _rel(o, o_ref) <= 5e-3, _rel(o, o_ref)
+    assert _rel(dq, dq_ref) <= 2e-2, _rel(dq, dq_ref)
+    assert _rel(dkv, dkv_ref) <= 2e-2, _rel(dkv, dkv_ref)
+
+
+def test_empty_rows_and_duplicates():
+    """All -1 rows give zeros; a token chosen by many queries sums all their dkv contributions."""
+    from longctx.ops.sparse_attention.naive import sparse_attention_torch
+    from longctx.ops.sparse_attention.triton import sparse_attention_triton
+
+    B, S, H, D, K = 1, 97, 16, 512, 77
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    kv = torch.randn(B, S, D, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    idx = torch.randint(0, 8, (B, S, K), device="cuda", generator=g, dtype=torch.int32)  # heavy overlap
+    idx[:, ::5] = -1
+    o = sparse_attention_triton(q, kv, idx, D**-0.5)
+    do = torch.randn_like(o)
+    dq, dkv = torch.autograd.grad(o, (q, kv), do)
+    assert o[:, ::5].abs().max().item() == 0.0 and dq[:, ::5].abs().max().item() == 0.0
+    q32 = q.detach().float().requires_grad_(True)
+    kv32 = kv.detach().float().requires_grad_(True)
+    o_ref = sparse_attention_torch(q32, kv32, idx, D**-0.5)
+    dq_ref, dkv_ref = torch.autograd.grad(o_ref, (q32, kv32), do.float())
+    assert _rel(o, o_ref) <= 5e-3
+    assert _rel(dq, dq_ref) <= 2e-2
+    assert _rel(dkv, dkv_ref) <= 2e-2
+    assert dkv[0, 8:].abs().max().item() == 0.0  # never selected
+
+
+@pytest.mark.parametrize("B,S,H", [(1, 2301, 16), (2, 333, 64)])
+def test_kept_attention_backward(B, S, H):
+    """memory.reuse_attention's path: the kernel's backward from a kept (o, lse) equals the regular
+    Function's gradients (the same kernel on the same saved tensors: dq bit for bit; dkv to within one bf16
+    rounding step, since its fp32 atomics add in whatever order the CTAs run — call 38 saw it differ), and the backward's
+    torch twin (sparse_attention_bwd_torch, fp32, from the kernel's o and lse) agrees within the
+    gradient tolerance, on fresh random inputs with -1 padding and tails."""
+    from longctx.ops.sparse_attention.naive import sparse_attention_bwd_torch
+    from longctx.ops.sparse_attention.triton import (
+        kept_sparse_attention_triton,
+        sparse_attention_fwd,
+        sparse_attention_triton,
+    )
+
+    D, K = 512, 2051
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    kv = torch.randn(B, S, D, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    idx = torch.stack([causal_pool_indices(S, K, generator=g) for _ in range(B)])
+    scale = D**-0.5 * 2.0
+    do = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16()
+
+    ref = torch.autograd.grad(sparse_attention_triton(q, kv, idx, scale), (q, kv), do)
+    with torch.no_grad():
+        o, lse = sparse_attention_fwd(q, kv, idx, scale)
+    kept = kept_sparse_attention_triton(q, kv, idx, o, lse, scale)
+    assert torch.equal(kept, o)
+    got = torch.autograd.grad(kept, (q, kv), do)
+    assert torch.equal(got[0], ref[0]), seed
+    # the fp32 sums are equal up to reordering (~1e-7 relative); their bf16 roundings then differ by at most
+    # one step of 2^-8 relative (and by fp32's reordering error where a sum cancels to near zero)
+    diff = (got[1].float() - ref[1].float()).abs()
+    ulp = ref[1].float().abs() * 2.0**-7 + ref[1].float().abs().max() * 1e-6
+    print(f"B={B} S={S} H={H} dkv: kept vs regular, {int((diff > 0).sum())} of {diff.numel()} elements differ, "
+          f"max {diff.max().item():.2e}")
+    assert bool((diff <= ulp).all()), (float((diff - ulp).max()), seed)
+    twin = sparse_attention_bwd_torch(q.detach().float(), kv.detach().float(), idx, o.float(), lse, do.float(), scale,
+                                      chunk=64)
+    for name, a, b in zip(("dq", "dkv"), got, twin):
+        print(f"B={B} S={S} H={H} {name}: kernel vs twin rel-RMS {_rel(a, b):.2e} (seed {seed})")
+        assert _rel(a, b) <= 2e-2, (name, _rel(a, b), seed)
