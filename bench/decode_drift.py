@@ -1,6 +1,7 @@
 """CPU: how far the decode path drifts from the training forward under bf16 autocast, with MoE routing
-free and with routing recorded in the training forward and replayed (tests/test_end_to_end_gpu.py's
-measure, on a small model), and in fp32 as the control.
+free and with routing recorded in the training forward and replayed (`longctx.measure.decode_drift`,
+which tests/test_end_to_end_gpu.py runs at 128k on the GPU; here on a small model), and in fp32 as the
+control.
 
     python bench/decode_drift.py [--layers 4] [--seq 600] [--last 16] [--chunk 256]
 
@@ -18,11 +19,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from test_end_to_end_gpu import decode_vs_training  # noqa: E402
+sys.path.insert(0, str(ROOT))
 
 from longctx.config import preset  # noqa: E402
+from longctx.measure.decode_drift import decode_vs_training  # noqa: E402
 from longctx.model import LongCtxModel  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def main() -> int:
         ids = torch.randint(0, cfg.vocab_size, (1, a.seq))
         t0 = time.perf_counter()
         with torch.no_grad():
-            diff, rel, spread, _ = decode_vs_training(model, ids, a.last, a.chunk, "cpu", replay_routing=replay, bf16=bf16)
+            diff, rel, spread, _ = decode_vs_training(model, ids, a.last, a.chunk, replay_routing=replay, bf16=bf16)
         print(f"{name:<24} mean abs log-prob difference {diff:.4f}, hidden rel-RMS {rel:.3e} "
               f"(log-prob std {spread:.2f}; {time.perf_counter() - t0:.0f} s)", flush=True)
     return 0

@@ -46,6 +46,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from hf_parity import (H200_REF_TEXT, flips, forced_decisions, hf_decisions, hf_torch_path,  # noqa: E402
                        logit_parity, own_decisions)
 
+from longctx.kernels import plain_torch  # noqa: E402
+
 # ops whose fp32 output is a copy, a view or a constant of their inputs: nothing to round
 _SKIP = {"aten::detach", "aten::lift_fresh", "aten::clone", "aten::_to_copy", "aten::copy_", "aten::empty_like",
          "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::fill_", "aten::zero_", "aten::contiguous",
@@ -196,7 +198,7 @@ def parity(ours, hf, ids, layers: int, hf_torch: bool = True, per_layer: bool = 
     with torch.no_grad(), ctx, hf_decisions(hf) as rec, captured(hf, h_names if per_layer else []) as h_out:
         ref = hf(input_ids=ids).logits
     t1 = time.perf_counter()
-    with torch.no_grad(), ours.plain_torch():
+    with torch.no_grad(), plain_torch(ours):
         with forced_decisions(ours, rec), captured(ours, o_names if per_layer else []) as o_out:
             forced = ours(ids).logits
         t2 = time.perf_counter()
@@ -212,7 +214,7 @@ def parity(ours, hf, ids, layers: int, hf_torch: bool = True, per_layer: bool = 
 
 
 def audit_phase(ours, hf, ids, top: int = 25) -> dict:
-    with torch.no_grad(), ours.plain_torch(), hf_torch_path(), audited({"ours": ours, "hf": hf}) as a:
+    with torch.no_grad(), plain_torch(ours), hf_torch_path(), audited({"ours": ours, "hf": hf}) as a:
         hf(input_ids=ids)
         ours(ids)
     rows = sorted(({"key": k, **v} for k, v in a.stats.items()), key=lambda s: -(s["max_rel"] if s["max_rel"] == s["max_rel"] else 1))

@@ -7,8 +7,8 @@ h200-ref head: hidden 1536, vocab 32768, hidden states bf16, 1/8 of the rows ign
 Modes: "bf16" (bf16 weight) and "amp" (fp32 master weight under bf16 autocast: what the trainer
 runs). One step = the model's `chunked_token_losses` (or the liger call), loss = sum / n, backward
 into the hidden states and the weight. Implementations:
-  torch           loss_impl "torch", loss_chunk 8192 (the memory plan's default), checkpointed chunks
-  liger           loss_impl "liger": reduction="none", LIGER_ROWS_PER_CALL rows per call (the model's path)
+  torch           kernels.loss "torch", loss_chunk 8192 (the memory plan's default), checkpointed chunks
+  liger           kernels.loss "liger": reduction="none", LIGER_ROWS_PER_CALL rows per call (the model's path)
   liger_one_call  reduction="none", all rows in one call (liger's chunk then grows with the rows)
   liger_sum       reduction="sum" (grads computed in the forward; per-token losses not available)
 Per case: median ms of fwd+bwd (CUDA events, after a compile step and a memory step), the peak allocated above the inputs
@@ -40,13 +40,12 @@ class Head(nn.Module):
     """The model's LM head + loss alone (the real `chunked_token_losses`)."""
 
     chunked_token_losses = LongCtxModel.chunked_token_losses
-    _ce = staticmethod(LongCtxModel._ce)
 
     def __init__(self, D: int, V: int, device, dtype, impl: str, loss_chunk: int | None):
         super().__init__()
         self.lm_head = nn.Linear(D, V, bias=False, device=device, dtype=dtype)
         nn.init.normal_(self.lm_head.weight, 0.0, 0.02)
-        self.loss_impl, self.loss_chunk, self.last_impl = impl, loss_chunk, None
+        self.kernels, self.loss_chunk, self.last_impl = {"loss": impl}, loss_chunk, None
 
 
 def make_step(impl: str, head: Head, h: torch.Tensor, y: torch.Tensor, autocast: bool):
@@ -57,7 +56,7 @@ def make_step(impl: str, head: Head, h: torch.Tensor, y: torch.Tensor, autocast:
         h.grad, head.lm_head.weight.grad = None, None
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
             if impl in ("torch", "liger"):
-                head.loss_impl = impl
+                head.kernels["loss"] = impl
                 loss = head.chunked_token_losses(h[None], y[None]).sum() / n
             elif impl == "liger_one_call":
                 loss = fused_loss.liger_token_losses(h, head.lm_head.weight, y).sum() / n

@@ -1,22 +1,19 @@
-"""Benchmark: k-pool indexer selection (score + top-k pools), fused Triton kernel vs plain torch, one GPU.
+"""Benchmark: k-pool indexer selection (score + top-k pools), our Triton path vs plain torch, one GPU.
 
     python bench/indexer.py --out DIR [--quick] [--seqlens 8192,...] [--heads 16x64] [--budget-s 120] [--sweep] [--probe]
-    python bench/indexer.py --cpu-smoke --out DIR    # tiny sizes, the kernel under TRITON_INTERPRET=1
+    python bench/indexer.py --cpu-smoke --out DIR    # tiny sizes, the kernels under TRITON_INTERPRET=1
 
 Problem (the h200-ref indexer): q [1,S,16,64] bf16 (pre-scaled), w [1,S,16] fp32, pooled keys
-[1,S/4,64] bf16, pool 4, top-512 pools (top-2048 tokens). Per S it times the fused kernel, the
-two-phase path (`ops/indexer/two_phase.py`: a score kernel into an fp32 [1024, pools] buffer, then
-each row's k-th score by torch.topk, by our radix kernel in `two_phase_radix` or by torch.topk over group
-maxima then over the chosen groups in `two_phase_grouped`, and the emit kernel;
-the rows that differ from the fused kernel's are counted), the
-chunked torch twin (256 queries per pass, up to --torch-max) and the unchunked twin (an fp32
-[S,H,NP] workspace) until it runs out of memory (recorded as {"oom": true}), records each one's
-peak memory above the inputs, and checks the kernel's picks against the chunked twin (rows that
-differ, and whether every difference is a near-tie).
+[1,S/4,64] bf16, pool 4, top-512 pools (top-2048 tokens). Per S it times the Triton path
+(`ops/indexer/triton.py`, "two_phase": a score kernel into an fp32 [1024, pools] buffer, each row's
+k-th score by torch.topk, the emit kernel), the chunked torch twin (256 queries per pass, up to
+--torch-max) and the unchunked twin (an fp32 [S,H,NP] workspace) until it runs out of memory (recorded
+as {"oom": true}), records each one's peak memory above the inputs, and checks the Triton path's picks
+against the chunked twin (rows that differ, and whether every difference is a near-tie).
 
 Floor: the scoring matmul alone at the measured bf16 MMA rate, 2*H*D*S*(S/P)/2 flops (causal) /
-778e12 flop/s; every implementation reports ms / floor. The kernel sweeps the keys 1 + passes
-times (radix passes + the emit pass; passes reported), so its floor ratio is at least that.
+778e12 flop/s; every implementation reports ms / floor. `--probe` times the Triton path's parts alone
+(the scoring matmul, torch.topk, the buffer's HBM traffic); `--sweep` its tile configs.
 A time budget (--budget-s, about two minutes) skips the cases projected to overrun it (scaling
 the last time by S^2), recorded as skipped. Writes DIR/indexer.json (indexer_cpu_smoke.json).
 """
@@ -42,9 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 from timing import env_record, timed, write_results  # bench/ is on sys.path when run as a script
 
-from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch, kpool_topk_two_phase
-from longctx.ops.indexer import fused as tk
-from longctx.ops.indexer.triton import kth_scores_triton
+from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch
+from longctx.ops.indexer.triton import kpool_topk_triton
 
 P = 4
 MMA_PEAK = 778e12  # the H200's dense bf16 matmul rate (docs/benchmarks.md, MFU)
@@ -138,28 +134,12 @@ def run_impl(fn, S, H, D, dev: Dev, warmup, reps) -> tuple[dict, torch.Tensor | 
     return res, out
 
 
-def kernel_case(S, H, D, K, dev, warmup, reps, cfg=None):
-    q, w, pk = inputs(S, H, D, dev)
-    res, out = run_impl(lambda: tk.kpool_topk_triton(q, w, pk, P, K, cfg=cfg), S, H, D, dev, warmup, reps)
-    if out is None:
-        return res, None, None
-    passes = tk.LAST_LAUNCH["passes"].float()
-    res.update(passes_mean=float(passes.mean()), passes_max=int(passes.max()),
-               deferred_row_frac=float(tk.LAST_LAUNCH["deferred"].sum()) / S,
-               n_regs=tk.LAST_LAUNCH.get("n_regs"), n_spills=tk.LAST_LAUNCH.get("n_spills"),
-               cfg={k: v for k, v in tk.LAST_LAUNCH.items() if k not in ("passes", "deferred", "n_regs", "n_spills")})
-    res["tflops_executed"] = res["tflops_single_sweep"] * (1 + res["passes_mean"])
-    return res, out, (q, w, pk)
-
-
 def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
-    """The parts of a two-phase design (score a block of queries into an fp32 [chunk, pools] buffer in
-    HBM, then torch.topk its rows; O(S * chunk) memory) timed on their own, to decide whether it can beat
-    the fused kernel before writing it. Per chunk of queries, the causal width (pools any of its queries
-    sees): `score_mm` the bf16 scoring matmul [chunk*H, D] x [D, width] alone (cuBLAS, no ReLU or head
-    sum: a lower bound for the score pass), `topk` torch.topk(k_pools) of a random fp32 [chunk, width]
-    buffer, `kth_radix` our radix-select kernel's k-th score of the same rows (what topk is used for),
-    `hbm_ms` the bytes of writing and reading that buffer once at 4.0 TB/s (computed)."""
+    """The Triton path's parts timed on their own, per chunk of queries and its causal width (pools any of
+    its queries sees): `score_mm` the bf16 scoring matmul [chunk*H, D] x [D, width] alone (cuBLAS, no ReLU
+    or head sum: a lower bound for the score kernel), `topk` torch.topk(k_pools) of a random fp32
+    [chunk, width] buffer (what finds each row's k-th score), `hbm_ms` the bytes of writing and reading
+    that buffer once at 4.0 TB/s (computed)."""
     g = torch.Generator(device=dev.name).manual_seed(1)
     widths = [min(S, s0 + chunk) // P for s0 in range(0, S, chunk)]
     wmax = max(widths)
@@ -178,13 +158,8 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
             if n and k:
                 torch.topk(buf[:, :n], k, dim=-1, sorted=False)
 
-    def kth_radix_all():
-        for n, k in zip(widths, ks):
-            if n and k:
-                kth_scores_triton(buf[None, :, :n], k)
-
     out = {"chunk": chunk, "S": S, "heads": H, "head_dim": D, "k_pools": K}
-    for name, fn in (("score_mm", score_all), ("topk", topk_all), ("kth_radix", kth_radix_all)):
+    for name, fn in (("score_mm", score_all), ("topk", topk_all)):
         _, first_s, _ = dev.first_call(fn)
         out[f"{name}_ms"], _ = dev.time_ms(fn, first_s, warmup, reps)
     out["hbm_ms"] = 2 * 4 * sum(widths) * chunk / 4.0e12 * 1e3
@@ -194,17 +169,13 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
     return out
 
 
-# the two-phase path's k-th selects: torch.topk over each row, our radix kernel, topk over group maxima
-TWO_PHASE_KTH = {"two_phase": "topk", "two_phase_radix": "radix", "two_phase_grouped": "grouped"}
-
-
-def two_phase_case(S, H, D, K, dev, warmup, reps, chunk=1024, kth="topk"):
-    """The two-phase indexer (score kernel into an fp32 [chunk, pools] buffer, each row's k-th score by
-    torch.topk or the radix kernel, the emit kernel)."""
+def two_phase_case(S, H, D, K, dev, warmup, reps, chunk=1024, cfg=None):
+    """The Triton path (score kernel into an fp32 [chunk, pools] buffer, torch.topk's k-th score, the emit
+    kernel): its timing, its output and its inputs."""
     q, w, pk = inputs(S, H, D, dev)
-    res, out = run_impl(lambda: kpool_topk_two_phase(q, w, pk, P, K, chunk=chunk, kth=kth), S, H, D, dev, warmup, reps)
-    res.update(chunk=chunk, kth=kth)
-    return res, out
+    res, out = run_impl(lambda: kpool_topk_triton(q, w, pk, P, K, chunk=chunk, cfg=cfg), S, H, D, dev, warmup, reps)
+    res.update(chunk=chunk)
+    return res, out, (q, w, pk)
 
 
 def torch_case(S, H, D, K, chunk, dev, warmup, reps):
@@ -214,13 +185,10 @@ def torch_case(S, H, D, K, chunk, dev, warmup, reps):
     return res, out
 
 
-SWEEP = [
+SWEEP = [  # overrides of the score kernel's tile config (ops/indexer/triton.py `_cfg`)
     {},
-    {"CAND": 0},
-    {"CAND": 128},
-    {"RBITS": 5},
-    {"RBITS": 6},
-    {"HIST_TL": False},
+    {"TILES": 4},
+    {"TILES": 16},
     {"BLOCK_N": 32},
     {"BLOCK_N": 128},
     {"num_warps": 4},
@@ -233,16 +201,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--quick", action="store_true", help="S in {32k, 128k}, fewer reps")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU, the kernel interpreted")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU, the kernels interpreted")
     ap.add_argument("--seqlens", default="8192,32768,131072,524288,1048576")
     ap.add_argument("--heads", default="16x64", help="HxD list; 16x64 is h200-ref's indexer, 32x128 the large one")
     ap.add_argument("--topk", type=int, default=2048, help="tokens kept per query (pools of 4)")
     ap.add_argument("--torch-max", type=int, default=131072, help="largest S for the chunked torch twin")
     ap.add_argument("--unchunked-max", type=int, default=131072, help="largest S to try the unchunked twin at")
     ap.add_argument("--budget-s", type=float, default=120.0, help="skip cases projected to end after this")
-    ap.add_argument("--sweep", action="store_true", help="kernel configs at S=32k and 128k (16x64)")
+    ap.add_argument("--sweep", action="store_true", help="the score kernel's tile configs at S=32k and 128k (16x64)")
     ap.add_argument("--probe", action="store_true",
-                    help="time the parts of a two-phase indexer (scoring matmul, torch.topk) at each S, 16x64")
+                    help="time the Triton path's parts (scoring matmul, torch.topk) at each S, 16x64")
     args = ap.parse_args()
 
     dev = Dev(args.cpu_smoke)
@@ -277,35 +245,26 @@ def main():
             return f"skipped: projected {proj:.0f} s would end at {end:.0f} s > --budget-s {args.budget_s:.0f}"
         return None
 
+    chunk = 32 if dev.cpu else 1024
     for H, D in heads:
-        # compile the kernel first (S and NP are run-time arguments: one variant serves every S)
+        # compile the kernels first (S and NP are run-time arguments: one variant serves every S)
         qw = inputs(min(seqlens[0], 2048), H, D, dev)
         t0 = time.perf_counter()
-        tk.kpool_topk_triton(*qw, P, K)
+        kpool_topk_triton(*qw, P, K, chunk=chunk)
         dev.sync()
         results.setdefault("compile_s", {})[f"{H}x{D}"] = time.perf_counter() - t0
         del qw
         unchunked_alive = True
-        last = {"kernel": (None, 0), **{n: (None, 0) for n in TWO_PHASE_KTH}, "torch_chunk256": (None, 0),
-                "torch_unchunked": (None, 0)}
+        last = {"two_phase": (None, 0), "torch_chunk256": (None, 0), "torch_unchunked": (None, 0)}
         for S in seqlens:
             case = {"S": S, "H": H, "D": D, "pairs": pairs(S), "floor_ms": floor_ms(S, H, D)}
-            skip = over_budget(*last["kernel"], S, 1 + reps)
+            skip = over_budget(*last["two_phase"], S, 1 + reps)
             kout = kin = None
             if skip:
-                case["kernel"] = skip
+                case["two_phase"] = skip
             else:
-                case["kernel"], kout, kin = kernel_case(S, H, D, K, dev, warmup, reps)
-                last["kernel"] = (case["kernel"], S)
-            for name, kth in TWO_PHASE_KTH.items():  # the two-phase path with each k-th select
-                if skip := over_budget(*last[name], S, 1 + reps):
-                    case[name] = skip
-                    continue
-                case[name], two = two_phase_case(S, H, D, K, dev, warmup, reps, chunk=32 if dev.cpu else 1024, kth=kth)
-                last[name] = (case[name], S)
-                if kout is not None and two is not None:
-                    case[name]["rows_differ_from_kernel"] = int((two != kout).any(-1).sum())
-                del two
+                case["two_phase"], kout, kin = two_phase_case(S, H, D, K, dev, warmup, reps, chunk=chunk)
+                last["two_phase"] = (case["two_phase"], S)
             if S > args.torch_max:
                 case["torch_chunk256"] = f"skipped: S > --torch-max {args.torch_max}"
             elif skip := over_budget(*last["torch_chunk256"], S, 1 + reps):
@@ -314,7 +273,7 @@ def main():
                 case["torch_chunk256"], tout = torch_case(S, H, D, K, 256, dev, warmup, reps)
                 last["torch_chunk256"] = (case["torch_chunk256"], S)
                 if kout is not None and tout is not None:
-                    case["kernel"]["check_vs_chunked"] = agreement(kout, tout, *kin)
+                    case["two_phase"]["check_vs_chunked"] = agreement(kout, tout, *kin)
                 del tout
             if not unchunked_alive:
                 case["torch_unchunked"] = "skipped: out of memory at a smaller S"
@@ -336,7 +295,7 @@ def main():
         for S in (32768, 131072):
             for cfg in SWEEP:
                 try:
-                    r, _, _ = kernel_case(S, 16, 64, K, dev, warmup, reps, cfg=cfg)
+                    r, _, _ = two_phase_case(S, 16, 64, K, dev, warmup, reps, chunk=chunk, cfg=cfg)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is a result too
                     r = {"error": repr(e)[:300]}
                 r.update(S=S, override=cfg)
@@ -345,7 +304,7 @@ def main():
     if args.probe:
         results["two_phase_probe"] = []
         for S in seqlens:
-            r = two_phase_probe(S, *heads[0], K, dev, chunk=32 if dev.cpu else 1024)
+            r = two_phase_probe(S, *heads[0], K, dev, chunk=chunk)
             dev.free()  # its buffers went with the call
             print(json.dumps(r), flush=True)
             results["two_phase_probe"].append(r)

@@ -4,7 +4,7 @@
                            [--parts runs,baseline,offload,host] [--resume]
     python bench/memory.py --cpu-smoke --out DIR      # every code path at tiny sizes on the CPU (a CI test)
 
-Model h200-ref (fp32 master weights, bf16 autocast, backend "auto"), batch 1, random tokens. One
+Model h200-ref (fp32 master weights, bf16 autocast, every kernel auto unless --kernel says), batch 1, random tokens. One
 step = forward + backward + AdamW step + router-balance update + the policy's end_step. For every
 length in 8k, 32k, 128k, 256k, 512k, 1M: "all_on" (the plan `auto_plan` resolves for this GPU, i.e.
 what the trainer runs) and each switch turned off in turn. An OOM is recorded as "oom" and the
@@ -58,13 +58,15 @@ from longctx.config import preset
 from longctx.errors import ConfigError
 from longctx.layers.moe import MoE
 from longctx.memory import allocator
-from longctx.memory import estimate as est
+from longctx.memory import model_bytes as est
+from longctx.memory import planner
 from longctx.memory.host_buffers import host_rss_bytes
 from longctx.measure import peak as peak_mod
 from longctx.measure.meter import LiveBytes
 from longctx.memory.plan import MemoryPlan, apply_plan
 from longctx.model import LongCtxModel
-from longctx.ops.mhc import liger as mhc_liger
+from longctx.config.kernels import KernelConfig
+from longctx.kernels import apply_kernels
 
 GIB = 2**30
 PEAK_FLOPS = 778e12
@@ -299,16 +301,9 @@ class Bench:
         torch.manual_seed(0)
         with torch.device(self.dev.dev):
             self.model = LongCtxModel(self.cfg)
-        self.model.set_backend("auto")
-        # the implementation switches every run uses (the model's defaults unless an option names one)
-        self.impls = {"residual": getattr(args, "residual_impl", None) or "auto",
-                      "indexer_kernel": getattr(args, "indexer_kernel", None) or "two_phase",
-                      "kda_conv": getattr(args, "kda_conv", None) or "auto",
-                      "kda_norm": getattr(args, "kda_norm", None) or "auto",
-                      "norm": getattr(args, "norm_impl", None) or "auto",
-                      "swiglu": getattr(args, "swiglu_impl", None) or "auto"}
-        self.model.set_impls(**self.impls)
-        mhc_liger.PROJECTION = getattr(args, "mhc_projection", None) or mhc_liger.PROJECTION
+        # the kernel settings every run uses (every op auto unless --kernel names one)
+        self.kernels = KernelConfig.from_dict(getattr(args, "kernels", None) or {})
+        apply_kernels(self.model, self.kernels)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.0,
                                      fused=self.dev.dev.type == "cuda")
         self.out = Path(args.out)
@@ -339,9 +334,7 @@ class Bench:
         return {**env, "device": self.dev.dev.type, "capacity_gib": self.dev.capacity / GIB, "versions": versions,
                 "preset": "tiny" if self.args.cpu_smoke else "h200-ref", "params": n,
                 "autocast": str(self.dtype).replace("torch.", ""), "peak_tflops": PEAK_FLOPS / 1e12,
-                "residual_impl": self.impls["residual"], "indexer_kernel": self.impls["indexer_kernel"],
-                "kda_conv": self.impls["kda_conv"], "kda_norm": self.impls["kda_norm"], "norm_impl": self.impls["norm"],
-                "swiglu_impl": self.impls["swiglu"], "mhc_projection": mhc_liger.PROJECTION, "cuda_alloc": self.cuda_alloc,
+                "kernels": self.kernels.to_dict(), "cuda_alloc": self.cuda_alloc,
                 "model": self.cfg.to_dict()}
 
     def save(self):
@@ -458,15 +451,14 @@ class Bench:
         return total
 
     def estimate(self, plan: MemoryPlan, S: int) -> dict:
-        e = est.estimate(self.cfg, S, plan, gpu=self.dev.gpu_key, act_bytes=self.act_bytes,
-                         residual_impl=self.impls["residual"], kda_norm=self.impls["kda_norm"])
+        e = est.estimate(self.cfg, S, plan, gpu=self.dev.gpu_key, act_bytes=self.act_bytes, kernels=self.kernels)
         return {"estimate_gib": e["gpu_bytes"] / GIB, "estimate_host_gib": e["host_bytes"] / GIB,
                 "estimate_fits": e["fits"]}
 
     def all_on(self, S: int) -> MemoryPlan:
         """The automatic plan at S, from the defaults with --plan's settings fixed (as a training config's
         `memory` table fixes them)."""
-        return est.auto_plan(self.cfg, S, self.args.fixed_plan, 1, self.dev.gpu_key, self.act_bytes)[0]
+        return planner.auto_plan(self.cfg, S, self.args.fixed_plan, 1, self.dev.gpu_key, self.act_bytes, self.kernels)[0]
 
     def reps(self, S: int) -> int:
         if S >= 512 * K:
@@ -528,8 +520,7 @@ class Bench:
             return
         # measure() read the counter of the last interval only: the step's peak is the running max
         r["peak_allocated_gib"] = marks[-1][2] / GIB
-        e_full = est.estimate(self.cfg, S, plan, gpu=self.dev.gpu_key, act_bytes=self.act_bytes,
-                              residual_impl=self.impls["residual"], kda_norm=self.impls["kda_norm"])
+        e_full = est.estimate(self.cfg, S, plan, gpu=self.dev.gpu_key, act_bytes=self.act_bytes, kernels=self.kernels)
         est_gib = e_full["gpu_bytes"] / GIB
         head = (f"{self.res['command']}\n{name} at {S}: measured peak {r['peak_allocated_gib']:.2f} GiB, "
                 f"estimate {est_gib:.2f} GiB\n")
@@ -802,21 +793,9 @@ def main(argv=None) -> int:
     ap.add_argument("--offload-seqlen", type=int, help="sequence length of pinned vs pageable (default 256k; quick 32k)")
     ap.add_argument("--resume", action="store_true", help="keep OUT/memory.json's results and add the missing ones")
     ap.add_argument("--quiet", action="store_true")
-    ap.add_argument("--kda-conv", choices=["auto", "torch", "fla"],
-                    help="the KDA short conv for every run (default auto: fla's causal_conv1d where KDA runs fla)")
-    ap.add_argument("--kda-norm", choices=["auto", "torch", "fla"],
-                    help="KDA's gated output norm for every run (default auto: fla's fused kernel where KDA runs fla; torch: ours)")
-    ap.add_argument("--norm-impl", choices=["auto", "torch", "triton"],
-                    help="every RMSNorm for every run (default auto: the fused kernels, ops/rms_norm_triton.py, on CUDA; torch: _RMSNormFn)")
-    ap.add_argument("--swiglu-impl", choices=["auto", "torch", "triton"],
-                    help="every clamped SwiGLU for every run (default auto: the fused kernels, ops/swiglu_triton.py, on CUDA; torch: layers/mlp.py)")
-    ap.add_argument("--mhc-projection", choices=["liger", "triton"],
-                    help="liger mHC's coefficient projection for every run (default triton: ours, ops/mhc_project_triton.py, "
-                         "with liger's Sinkhorn; liger: liger's whole Function; mhc_liger.PROJECTION)")
-    ap.add_argument("--indexer-kernel", choices=["fused", "two_phase", "two_phase_radix", "two_phase_grouped"],
-                    help="the indexers' Triton path for every run (default two_phase; fused: the one-kernel radix select)")
-    ap.add_argument("--residual-impl", choices=["auto", "torch", "liger"],
-                    help="mHC implementation for every run (default auto = liger's fused kernels on CUDA)")
+    ap.add_argument("--kernel", action="append", metavar="OP=BACKEND", dest="kernel_settings",
+                    help="a kernel setting for every run, as the training config's kernels.OP (e.g. mhc=torch, "
+                         "rms_norm=torch); default every op auto: its fast path on CUDA")
     ap.add_argument("--peak", metavar="S[:CONFIG]",
                     help="CUDA: after the runs, what is alive at the peak of one warm step at S tokens under CONFIG "
                          "(all_on, a switch-off config, or offload_all; default all_on)")
@@ -836,7 +815,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        a.fixed_plan = MemoryPlan.from_dict(est.parse_switches(a.plan, "--plan"))
+        a.fixed_plan = MemoryPlan.from_dict(planner.parse_switches(a.plan, "--plan"))
+        a.kernels = {}
+        for k in a.kernel_settings or []:
+            op, sep, impl = k.partition("=")
+            if not sep:
+                raise ConfigError(f"--kernel {k!r} is not OP=BACKEND; write it like --kernel mhc=torch.")
+            a.kernels[op.strip()] = impl.strip()
+        KernelConfig.from_dict(a.kernels)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,9 +7,9 @@
 h200-ref width: streams [1, S, 4, 1536] bf16, fp32 fn/base/scale, 20 Sinkhorn rounds. One step =
 x, ctx = enter(streams); y = x * gain + noise (a stand-in sub-layer); out = exit(streams, ctx, y);
 backward of (out * dout).sum() into the streams, the noise and the parameters. Implementations:
-  torch            residual_impl "torch", recompute_cast on (the memory plan's default)
-  torch_keep_cast  residual_impl "torch", recompute_cast off (the fp32 copy saved)
-  liger            residual_impl "liger" (longctx.ops.mhc.liger)
+  torch            kernels.mhc "torch", recompute_cast on (the memory plan's default)
+  torch_keep_cast  kernels.mhc "torch", recompute_cast off (the fp32 copy saved)
+  liger            kernels.mhc "liger" (longctx.ops.mhc.liger; the coefficients' projection ours, for 4 streams)
 Per case: median ms of fwd+bwd (CUDA events, after warm-up), the peak allocated above the inputs
 during one step, and liger's relative RMS difference from torch on out and d_streams.
 Writes DIR/mhc.json: the connection comparison under "connection", --project's under "projection",
@@ -59,7 +59,7 @@ def setup(cfg, S: int, device):
 
 
 def make_step(impl: str, mhc: MHC, streams, gain, noise, dout):
-    mhc.impl = "liger" if impl == "liger" else "torch"
+    mhc.kernels["mhc"] = "liger" if impl == "liger" else "torch"
     mhc.recompute_cast = impl != "torch_keep_cast"
 
     def step():
@@ -128,8 +128,8 @@ def run_gpu(args) -> dict:
 
 def run_project(args) -> dict:
     """mHC's coefficient projection alone (mix = RMSNorm(x) @ fn^T over the flattened streams, forward and
-    backward) at h200-ref's width: liger's kernels (`mhc_mm_norm_fwd` / `_bwd`, what residual_impl=liger
-    runs) against ours (longctx/ops/mhc/triton.py), median ms and the bytes each must move at
+    backward) at h200-ref's width: liger's kernels (`mhc_mm_norm_fwd` / `_bwd`, what streams wider than 8
+    run) against ours (longctx/ops/mhc/triton.py), median ms and the bytes each must move at
     least (forward: read x; backward: read x, write grad x), and ours' distance from liger's results."""
     from longctx.ops.mhc import triton as ours
 

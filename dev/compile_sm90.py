@@ -29,8 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from longctx.ops.mhc import triton as mhc_project  # noqa: E402
-from longctx.ops.indexer.fused import _kpool_topk_kernel  # noqa: E402
-from longctx.ops.indexer.triton import _emit_from_scores_kernel, _kpool_score_kernel, _kth_score_kernel  # noqa: E402
+from longctx.ops.indexer.triton import _emit_from_scores_kernel, _kpool_score_kernel  # noqa: E402
 from longctx.ops.rms_norm.triton import _rms_norm_bwd, _rms_norm_fwd  # noqa: E402
 from longctx.ops.sparse_attention.triton import _sparse_attn_bwd  # noqa: E402
 from longctx.ops.swiglu.triton import BLOCK as SWIGLU_BLOCK  # noqa: E402
@@ -64,16 +63,10 @@ def compile_one(name, kernel, pointers, consts, num_warps, num_stages=2) -> dict
 def main() -> int:
     common = dict(D=64, BLOCK_D=64, BLOCK_H=16, BLOCK_M=16, BLOCK_N=64, PREC="tf32", DOT_F32=False)
     rows = [
-        compile_one("fused (_kpool_topk_kernel)", _kpool_topk_kernel,
-                    {"Q": "*bf16", "W": "*fp32", "PK": "*bf16", "OUT": "*i32", "PASSES": "*i32", "CKEY": "*i32",
-                     "CPID": "*i32"},
-                    dict(common, BLOCK_K=128, RBITS=4, HIST_TL=True, CAND=32, K_POW2=512, SORT_M=16), num_warps=8),
-        compile_one("two-phase score (_kpool_score_kernel)", _kpool_score_kernel,
+        compile_one("indexer score (_kpool_score_kernel)", _kpool_score_kernel,
                     {"Q": "*bf16", "W": "*fp32", "PK": "*bf16", "OUT": "*fp32"}, dict(common, TILES=8), num_warps=8),
-        compile_one("two-phase emit (_emit_from_scores_kernel)", _emit_from_scores_kernel,
+        compile_one("indexer emit (_emit_from_scores_kernel)", _emit_from_scores_kernel,
                     {"SC": "*fp32", "KTH": "*fp32", "OUT": "*i32"}, dict(BLOCK_M=4, BLOCK_N=256, BLOCK_K=128), num_warps=4),
-        compile_one("two-phase k-th, radix (_kth_score_kernel)", _kth_score_kernel,
-                    {"SC": "*fp32", "KTH": "*fp32"}, dict(RBITS=8, BLOCK_N=1024), num_warps=4),
     ]
     sparse_ptrs = {n: "*bf16" for n in ("Q", "KV", "O", "DO", "DQ")}
     sparse_ptrs.update(IDX="*i32", LSE="*fp32", DKV="*fp32", scale="fp32", qk_scale="fp32")
@@ -98,7 +91,7 @@ def main() -> int:
         compile_one("SwiGLU bwd (bf16)", _swiglu_bwd, swiglu_ptrs, dict(BLOCK=SWIGLU_BLOCK), num_warps=4),
     ]
     # mHC's coefficient projection at h200-ref's width (K = 4 x 1536, M = 24): ours at its launch configs,
-    # and liger's (what residual_impl=liger runs now) at its defaults, where liger-kernel is importable
+    # and liger's (what streams wider than 8 run) at its defaults, where liger-kernel is importable
     proj_ptrs = {"X": "*bf16", "PHI": "*fp32", "MIX": "*fp32", "INVR": "*fp32", "GZ": "*fp32", "FAC": "*fp32",
                  "GX": "*bf16", "GPHI": "*fp32", "eps": "fp32"}
     f, b = mhc_project.FWD, mhc_project.BWD

@@ -69,7 +69,8 @@ sparse)
   tail -12 "$OUT/sparse_attention.log"
   ;;
 indexer)
-  # every indexer path at 32k and 128k and the two-phase probe (INDEXER_ARGS; "" for 8k..1M, --sweep for tile configs)
+  # the indexer's Triton path and the torch twins at 32k and 128k, and the probe of the Triton path's parts
+  # (INDEXER_ARGS; "" for 8k..1M, --sweep for the score kernel's tile configs)
   timeout $(left) python bench/indexer.py --out "$OUT" ${INDEXER_ARGS---quick --probe} > "$OUT/indexer.log" 2>&1; tail -4 "$OUT/indexer.log"
   ;;
 kda)
@@ -146,10 +147,10 @@ switches)
   ;;
 variants)
   # 128k steps with other implementations beside the defaults in one call: VARIANTS, ';'-separated
-  # memory.py options ("all_on" for none), e.g. "all_on;--indexer-kernel fused;--mhc-projection liger"
+  # memory.py options ("all_on" for none), e.g. "all_on;--kernel mhc=torch;--kernel rms_norm=torch --kernel swiglu=torch"
   IFS=';' read -ra vs <<< "${VARIANTS:-all_on}"
   for v in "${vs[@]}"; do
-    d=$(echo $v | tr -d ' -' | tr '_' '-'); o=$v; [ "$v" = all_on ] && o=
+    d=$(echo $v | tr -d ' -' | tr '_=' '--'); o=$v; [ "$v" = all_on ] && o=
     echo "$(date +%T) variant $v"
     timeout $(left) python bench/memory.py --out "$OUT/$d" $o --parts runs --configs all_on --seqlens 131072 \
         > "$OUT/memory_$d.log" 2>&1; tail -2 "$OUT/memory_$d.log"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def _train(a) -> int:
-    from .config.train import load_train_config
+    from .config.loading import load_train_config, to_toml
     from .train.trainer import Trainer, check_out_dir, resume_config
 
     if a.resume:  # the run's saved config, with only what the flags may change on resume changed
@@ -29,7 +29,7 @@ def _train(a) -> int:
         if a.out:
             cfg.out_dir = a.out
     if a.print_config:
-        print(cfg.to_toml())
+        print(to_toml(cfg))
         return 0
     check_out_dir(cfg.out_dir, a.resume, a.force)  # before the corpus is read: a refusal is instant
     if hasattr(sys.stdout, "reconfigure"):  # each step line reaches `| tee` as it happens, not 8 KiB later
@@ -118,7 +118,7 @@ def _eval(a) -> int:
     from .data.sources import load_documents, split_documents, stdlib_corpus
     from .data.tokenizers import tokenize_documents
     from .errors import ConfigError, DataError
-    from .train.evaluate import per_position_loss
+    from .train.evaluate import format_table, per_position_loss
 
     if a.buckets > a.seq_len:
         raise ConfigError(f"--buckets ({a.buckets}) is more than --seq-len ({a.seq_len}), which leaves buckets with no "
@@ -137,14 +137,43 @@ def _eval(a) -> int:
                         f"the {len(docs)} has {longest}; lower --seq-len or pass longer documents with --data.")
     windows = eval_windows(docs, a.seq_len, a.windows, starts_only=False).tokens
     res = per_position_loss(model, windows, n_buckets=a.buckets, device=dev, progress=sys.stderr.isatty())
-    print(json.dumps(res, indent=2))
+    if a.json:
+        print(json.dumps(res, indent=2))
+    else:  # the table `longctx train` ends with, for this one checkpoint
+        n = len(windows)
+        print(f"held-out loss by position ({n} window{'s' * (n != 1)} of {a.seq_len} tokens):\n" + format_table(res))
     return 0
 
 
 def _estimate(a) -> int:
-    from .memory.estimate import main as estimate_main
+    """Exit 0 when the plan fits, 1 when even the last plan tried does not."""
+    from .config.kernels import KernelConfig
+    from .config.train import preset_model
+    from .errors import ConfigError
+    from .memory.plan import MemoryPlan
+    from .memory.planner import auto_plan, format_report, parse_switches, whole_sequence_warning
 
-    return estimate_main(a)
+    cfg = preset_model(a.preset)
+    if a.seq_len < 1:
+        raise ConfigError(f"--seq-len must be >= 1 (got {a.seq_len}).")
+    if a.cp < 1:
+        raise ConfigError(f"--cp must be >= 1 (got {a.cp}).")
+    plan = MemoryPlan.from_dict(parse_switches(a.set or []))
+    kernels = {}
+    for k in a.kernel or []:
+        op, sep, impl = k.partition("=")
+        if not sep or not op.strip():
+            raise ConfigError(f"--kernel {k!r} is not OP=BACKEND; write it like --kernel mhc=torch.")
+        kernels[op.strip()] = impl.strip()
+    plan, e = auto_plan(cfg, a.seq_len, plan, a.cp, a.gpu, kernels=KernelConfig.from_dict(kernels))
+    if a.json:
+        print(json.dumps(e, indent=2))
+    else:
+        print(format_report(e, phases=a.phases))
+        warning = whole_sequence_warning(cfg, -(-a.seq_len // a.cp), plan)
+        if warning:
+            print(f"warning: {warning}")
+    return 0 if e["fits"] else 1
 
 
 def _export(a) -> int:
@@ -282,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--buckets", type=_int_arg("--buckets", 1, 8), default=8, help="position buckets (at most --seq-len)")
     e.add_argument("--tokenizer", type=_tokenizer_arg, default="byte", help='"byte" or a local tokenizer.json')
     e.add_argument("--device", type=_device_arg, default="auto", help="auto, cpu, cuda or cuda:N")
+    e.add_argument("--json", action="store_true", help="print the result as JSON (loss, tokens, buckets) instead of the table")
     e.set_defaults(fn=_eval)
 
     m = sub.add_parser("estimate", help="predict peak memory and pick the memory plan for a preset and length")
@@ -290,10 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cp", type=int, default=1)
     m.add_argument("--gpu", default="h200")
     m.add_argument("--set", action="append", metavar="SWITCH=VALUE", help="force a memory switch, e.g. offload=0")
-    m.add_argument("--residual-impl", default="auto", choices=("auto", "torch", "liger"),
-                   help="the mHC path the run will take (the training setting residual_impl; auto = liger on a GPU)")
-    m.add_argument("--kda-norm", default="auto", choices=("auto", "torch", "fla"),
-                   help="KDA's gated output norm (the training setting kda_norm; auto = fla's on a GPU)")
+    m.add_argument("--kernel", action="append", metavar="OP=BACKEND",
+                   help="a kernel setting of the run, as the training config's kernels.OP, e.g. mhc=torch "
+                        "(default: every op auto, its fast path on a GPU)")
     m.add_argument("--phases", action="store_true", help="also print each phase of the step (end of the forward, "
                    "each block's backward, each chunk case) with its estimated GPU total")
     m.add_argument("--json", action="store_true")

@@ -1,8 +1,9 @@
 """The hybrid model: embeddings -> blocks (KDA or DSA mixer + dense or MoE MLP) -> norm -> head.
 
 Single-device, readable PyTorch. Memory techniques (recompute, offload, chunking) are applied
-around it from `longctx.memory`; nothing here depends on them except the chunked LM head + loss,
-which lives here because it *is* the head.
+around it from `longctx.memory`, and `longctx.kernels.apply_kernels` sets which backend each op runs
+(`kernels` on every module that runs one); nothing here depends on them except the LM head + loss,
+chunked by `loss_chunk` (the loss op, `longctx.ops.loss`).
 
     model = LongCtxModel(preset("tiny"))
     logits = model(input_ids).logits              # [B, S, vocab]
@@ -11,14 +12,11 @@ which lives here because it *is* the head.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 from .layers.dsa import SparseMLA
@@ -27,7 +25,7 @@ from .layers.mlp import DenseMLP
 from .layers.moe import MoE
 from .layers.norms import RMSNorm
 from .layers.residual import build_residuals
-from .ops.loss.liger import LIGER_ROWS_PER_CALL, liger_token_losses, resolve_loss_impl
+from .ops import loss as loss_ops
 
 
 @dataclass
@@ -89,10 +87,8 @@ class LongCtxModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         # Chunked LM head + loss (a memory switch): rows of hidden per chunk; None = one shot.
         self.loss_chunk: int | None = 4096
-        # LM head + loss implementation: "auto" | "torch" | "liger" (longctx.ops.loss.liger); `last_impl`
-        # says which ran in the last loss (impl_report shows it next to the layers').
-        self.loss_impl: str = "auto"
-        self.last_impl: str | None = None
+        self.kernels = {"loss": "auto"}  # the LM head + loss (longctx.ops.loss), set by kernels.apply_kernels
+        self.last_impl: str | None = None  # which loss ran last (impl_report shows it next to the layers')
         self.block_fn = None  # set by longctx.memory to wrap blocks (recompute / offload)
         self.init_weights()
 
@@ -145,37 +141,16 @@ class LongCtxModel(nn.Module):
         return out
 
     def chunked_token_losses(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token cross entropy [B, S] fp32 (0 where label == -100).
-
-        loss_impl "torch": the head applied `loss_chunk` rows at a time under checkpoint, so [S, vocab]
-        logits never exist at once (loss_chunk None: one shot, logits materialised).
-        loss_impl "liger": liger-kernel's fused linear + cross entropy with reduction="none" (per-token
-        losses and a correct per-token backward in liger 0.8.5), LIGER_ROWS_PER_CALL rows per call and
-        liger's own chunking inside; `loss_chunk` does not apply. Raises ConfigError when it cannot run.
-        loss_impl "auto": liger on CUDA when liger imports and loss_chunk is on, torch otherwise (on CUDA
-        without liger it warns once). See longctx.ops.loss.liger.
-        """
-        if resolve_loss_impl(self.loss_impl, h, chunked=bool(self.loss_chunk)) == "liger":
-            B, S, D = h.shape
-            self.last_impl = "loss:liger-flce"
-            return liger_token_losses(h.reshape(-1, D), self.lm_head.weight, labels.reshape(-1),
-                                      rows_per_call=LIGER_ROWS_PER_CALL).view(B, S)
-        self.last_impl = "loss:torch-chunked" if self.loss_chunk else "loss:torch"
+        """Per-token cross entropy [B, S] fp32 (0 where label == -100), through the loss op
+        (`longctx.ops.loss`, the setting kernels.loss): the torch head `loss_chunk` rows at a time under
+        checkpoint, so [S, vocab] logits never exist at once (loss_chunk None: one shot, logits
+        materialised), or liger's fused linear + cross entropy. auto takes liger on CUDA where it
+        imports and loss_chunk is on."""
         B, S, D = h.shape
-        flat_h, flat_y = h.reshape(-1, D), labels.reshape(-1)
-        step = self.loss_chunk or flat_h.shape[0]
-        parts = []
-        for s0 in range(0, flat_h.shape[0], step):
-            hh, yy = flat_h[s0 : s0 + step], flat_y[s0 : s0 + step]
-            if self.loss_chunk and torch.is_grad_enabled() and hh.requires_grad:
-                parts.append(checkpoint(self._ce, hh, yy, self.lm_head.weight, use_reentrant=False))
-            else:
-                parts.append(self._ce(hh, yy, self.lm_head.weight))
-        return torch.cat(parts).view(B, S)
-
-    @staticmethod
-    def _ce(h, y, w):
-        return F.cross_entropy(F.linear(h, w).float(), y, ignore_index=-100, reduction="none")
+        impl = loss_ops.pick(self.kernels["loss"], h, chunked=bool(self.loss_chunk))
+        self.last_impl = "loss:liger-flce" if impl == "liger" else "loss:torch-chunked" if self.loss_chunk else "loss:torch"
+        return loss_ops.token_losses(h.reshape(-1, D), self.lm_head.weight, labels.reshape(-1), impl,
+                                     chunk=self.loss_chunk).view(B, S)
 
     # ------------------------------------------------------------------ bookkeeping
     def aux_losses(self) -> dict:
@@ -211,73 +186,6 @@ class LongCtxModel(nn.Module):
         """Which implementation each layer kind ran in the last forward, e.g. 'kda:fla-chunk x9'."""
         c = Counter(m.last_impl for m in self.modules() if getattr(m, "last_impl", None))
         return ", ".join(f"{k} x{v}" for k, v in sorted(c.items()))
-
-    def set_backend(self, backend: str):
-        """auto | torch | triton for every kernel switch: KDA, DSA attention and the k-pool indexers
-        ('fla', the KDA's name for its Triton kernels, sets the indexers to 'triton')."""
-        for m in self.modules():
-            if isinstance(m, (KimiDeltaAttention, SparseMLA)):
-                m.backend = backend
-            if isinstance(m, SparseMLA) and m.indexer is not None:
-                m.indexer.backend = "triton" if backend == "fla" else backend
-
-    @contextlib.contextmanager
-    def plain_torch(self):
-        """Every switch on its plain-torch path inside the block (KDA, its conv, DSA attention, the
-        indexers, mHC, the LM head + loss), restored after: the fp32 references of the GPU tests.
-        `set_backend("torch")` alone leaves mHC on liger and the conv on fla where they are `auto`."""
-        kept = [(m, a, getattr(m, a)) for m in self.modules()
-                for a in ("backend", "conv_impl", "norm_impl", "impl", "loss_impl") if hasattr(m, a)]
-        try:
-            self.set_backend("torch")
-            self.set_impls(loss="torch", residual="torch", kda_conv="torch", kda_norm="torch", norm="torch",
-                           swiglu="torch")
-            yield self
-        finally:
-            for m, a, v in kept:
-                setattr(m, a, v)
-
-    def set_impls(self, loss: str | None = None, residual: str | None = None, indexer_kernel: str | None = None,
-                  kda_conv: str | None = None, kda_norm: str | None = None, norm: str | None = None,
-                  swiglu: str | None = None):
-        """auto | torch | liger for the LM head + loss (`loss_impl`, longctx.ops.loss.liger) and for every
-        mHC residual (`MHC.impl`, longctx.ops.mhc.liger); INDEXER_KERNELS for the indexers' Triton path
-        (`KPoolIndexer.kernel`, two_phase by default); auto | torch | fla for the KDA short conv
-        (`KimiDeltaAttention.conv_impl`, auto by default) and its gated output norm (`norm_impl`); auto | torch
-        | triton for every RMSNorm (`RMSNorm.impl`, the setting norm_impl, auto by default) and every clamped
-        SwiGLU (`DenseMLP.impl`, `Experts.impl`, the setting swiglu_impl, auto by default). None leaves a
-        switch as it is.
-        Whether liger or fla can run is checked at the first forward (a ConfigError there)."""
-        from .errors import ConfigError
-        from .layers.kda import CONV_IMPLS, NORM_IMPLS
-        from .layers.kpool_indexer import INDEXER_KERNELS, KPoolIndexer
-        from .layers.mlp import SWIGLU_IMPLS, DenseMLP
-        from .layers.moe import Experts
-        from .layers.norms import RMS_NORM_IMPLS, RMSNorm
-        from .layers.residual import MHC, RESIDUAL_IMPLS
-        from .ops.loss.liger import LOSS_IMPLS
-
-        for name, v, allowed in (("loss_impl", loss, LOSS_IMPLS), ("residual_impl", residual, RESIDUAL_IMPLS),
-                                 ("indexer_kernel", indexer_kernel, INDEXER_KERNELS), ("kda_conv", kda_conv, CONV_IMPLS),
-                                 ("kda_norm", kda_norm, NORM_IMPLS), ("norm_impl", norm, RMS_NORM_IMPLS),
-                                 ("swiglu_impl", swiglu, SWIGLU_IMPLS)):
-            if v is not None and v not in allowed:
-                raise ConfigError(f"{name} must be one of {', '.join(allowed)} (got {v!r}).")
-        if loss is not None:
-            self.loss_impl = loss
-        for m in self.modules():
-            if residual is not None and isinstance(m, MHC):
-                m.impl = residual
-            if indexer_kernel is not None and isinstance(m, KPoolIndexer):
-                m.kernel = indexer_kernel
-            if kda_conv is not None and isinstance(m, KimiDeltaAttention):
-                m.conv_impl = kda_conv
-            if kda_norm is not None and isinstance(m, KimiDeltaAttention):
-                m.norm_impl = kda_norm
-            if norm is not None and isinstance(m, RMSNorm):
-                m.impl = norm
-            if swiglu is not None and isinstance(m, (DenseMLP, Experts)):
-                m.impl = swiglu
 
     # ------------------------------------------------------------------ decoding
     def init_caches(self, batch: int, device=None, dtype=None) -> list:

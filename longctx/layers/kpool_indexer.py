@@ -4,25 +4,17 @@ Each query scores *pools* of P consecutive tokens instead of single tokens, keep
 topk/P pools, and expands them back into token indices (plus, optionally, the tokens of its own
 incomplete pool, the "tail"). For a query t < topk that is exactly dense causal attention.
 
-Memory: pooled keys are built once for the whole sequence (O(S)); the torch backend scores and
+Memory: pooled keys are built once for the whole sequence (O(S)); the torch twin scores and
 selects a block of queries at a time, so its score workspace is O(chunk * S/P), never [S, S/P];
-the fused kernel keeps no scores at all (its output, [S, topk/P] pool ids, is the workspace).
+the Triton path keeps one block of 1024 queries' fp32 scores against the pools they see.
 
-Backends (`backend`, set by `LongCtxModel.set_backend`): "torch" scores `chunk` queries per pass
-in fp32 and keeps the best pools with torch.topk; "triton" is the fused kernel of
-`longctx.ops.indexer` (score + top-k in one launch over the whole sequence, no [S, S/P] scores);
-"auto" (the default) is the kernel on CUDA and torch on the CPU, except with `chunk` None: the memory
-plan's chunked-indexer switch turned off asks for the plain unchunked indexer (the baseline's
-O(S x S/P) scores), which auto then runs in torch on CUDA too (`last_impl` says
-"indexer:torch-unchunked"). A CUDA run that cannot import the
-kernel says so once (RuntimeWarning) and runs torch; "triton" on CPU tensors without
-TRITON_INTERPRET=1 is a ConfigError, never a silent fallback. `last_impl` names what ran.
-`kernel` picks the Triton path (INDEXER_KERNELS): "two_phase" (the default; `ops/indexer/two_phase.py`, a
-score kernel into an O(T x pools) fp32 buffer per 1024 queries + topk + an emit kernel: the fused
-kernel's picks at 3.2x its speed at 128k, bench/NOTES.md), "fused" (one radix-select kernel), or
-"two_phase_radix" (our own k-th select in place of topk; as fast as topk on the H200, 44.2 vs 44.8 ms at 128k),
-or "two_phase_grouped" (the exact k-th score from topk over group maxima, then over the chosen groups:
-`two_phase.kth_scores_grouped`; exact on the H200 but slower: 107 vs 95 ms at 128k, 16.8 vs 9.1 at 32k, call 49).
+Backends (the indexer op, `longctx.ops.indexer`, the setting kernels.indexer): "torch" scores
+`chunk` queries per pass in fp32 and keeps the best pools with torch.topk; "triton" runs the Triton
+path over the whole sequence (`ops/indexer/triton.py`: a score kernel, torch.topk's k-th score, an
+emit kernel); "auto" is Triton on CUDA and torch on the CPU (`longctx.ops.pick`), except with `chunk`
+None: the memory plan's chunked-indexer switch turned off asks for the plain unchunked indexer (the
+baseline's O(S x S/P) scores), which auto then runs in torch on CUDA too (`last_impl` says
+"indexer:torch-unchunked"). `last_impl` names what ran.
 
 Both backends select the same pools, except where scores tie at a query's k-th score:
 - torch: ties are resolved by torch.topk itself, fed the same fp32 row the reference builds: one
@@ -42,23 +34,15 @@ No LM gradient reaches the indexer (selection runs under no_grad); its parameter
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import ConfigError, warn_fallback
 from ..ops import indexer as indexer_ops
+from ..ops import pick as _pick
 
 _DEFAULT = object()
-BACKENDS = ("auto", "torch", "triton")
-# the Triton path: radix select in one kernel, or a score buffer + each row's k-th score by torch.topk or
-# by our radix kernel (two_phase_radix: no faster than topk on the H200) or by topk over group maxima
-# (two_phase_grouped: exact, slower than topk on the H200)
-INDEXER_KERNELS = ("fused", "two_phase", "two_phase_radix", "two_phase_grouped")
-_KTH = {"two_phase": "topk", "two_phase_radix": "radix", "two_phase_grouped": "grouped"}
 _EXPAND_ROWS = 8192  # queries per block when the kernel's pool ids are expanded into token indices
 
 
@@ -125,12 +109,11 @@ class KPoolIndexer(nn.Module):
         # The reference initialises the pooling as: no positional bias, gate = per-token sum of x.
         self.pool_ape = nn.Parameter(torch.zeros(self.pool, self.head_dim))
         self.pool_gate = nn.Parameter(torch.ones(self.head_dim, cfg.hidden_size))
-        # Queries scored per pass by the torch backend (the memory plan's chunked-indexer switch);
-        # None = all at once, in torch also under backend auto on CUDA (the plain baseline). The
-        # triton backend scores the whole sequence in one launch.
+        # Queries scored per pass by the torch twin (the memory plan's chunked-indexer switch); None = all
+        # at once, in torch also under auto on CUDA (the plain baseline). The Triton path takes the
+        # whole sequence.
         self.chunk: int | None = 256
-        self.backend = "auto"
-        self.kernel = "two_phase"  # INDEXER_KERNELS: "two_phase" (score buffer + topk; 3.2x the fused at 128k), ...
+        self.kernels = {"indexer": "auto"}  # set by longctx.kernels.apply_kernels
         self.last_impl: str | None = None
 
     # ------------------------------------------------------------------ building blocks
@@ -169,12 +152,11 @@ class KPoolIndexer(nn.Module):
         x [B, T, hidden] and q_latent [B, T, q_lora] are the T newest tokens; with a cache they
         follow its `length` earlier tokens and the indices are absolute positions. chunk: queries
         per pass of the torch backend (default `self.chunk`; None = all at once, the O(T * S/P)
-        baseline, which backend auto then runs in torch on CUDA too); the triton backend selects for
-        all T queries in one launch and ignores it.
+        baseline, which auto then runs in torch on CUDA too); the Triton path selects for all T queries
+        at once and ignores it.
         """
         chunk = self.chunk if chunk is _DEFAULT else chunk
-        # chunk None under auto: the unchunked torch scoring was asked for (the plan's baseline switch)
-        impl = "torch" if chunk is None and self.backend == "auto" else self._pick_backend(x.device)
+        impl = self.pick(x.device, chunk)
         B, T = x.shape[:2]
         P = self.pool
         k, gate = self.key_rows(x)
@@ -188,8 +170,8 @@ class KPoolIndexer(nn.Module):
         n_pools = 0 if pk is None else pk.shape[1]
         out = torch.full((B, T, self.width), -1, dtype=torch.int32, device=x.device)
         if impl == "triton":
-            self.last_impl = "indexer:triton-" + self.kernel.replace("_", "-")
-            pools = self._kernel_pools(x, q_latent, pk, n_pools, start)  # one launch for all T queries
+            self.last_impl = "indexer:triton-two-phase"
+            pools = self._kernel_pools(x, q_latent, pk, n_pools, start)  # all T queries, in blocks of its own
             for s0 in range(0, T, _EXPAND_ROWS):
                 s1 = min(T, s0 + _EXPAND_ROWS)
                 out[:, s0:s1] = self._select_block(x[:, s0:s1], q_latent[:, s0:s1], pk, n_pools, start + s0,
@@ -202,48 +184,27 @@ class KPoolIndexer(nn.Module):
             out[:, s0:s1] = self._select_block(x[:, s0:s1], q_latent[:, s0:s1], pk, n_pools, start + s0)
         return out
 
-    def _pick_backend(self, device: torch.device) -> str:
-        """'triton' or 'torch' for tensors on `device`; raises instead of falling back where asked for triton."""
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"indexer backend must be one of {', '.join(BACKENDS)} (got {self.backend!r}); "
-                              "set backend to 'auto', 'torch' or 'triton'.")
-        if self.kernel not in INDEXER_KERNELS:
-            raise ConfigError(f"indexer kernel must be one of {', '.join(INDEXER_KERNELS)} (got {self.kernel!r}).")
-        if self.backend == "torch":
-            return "torch"
-        kernel = indexer_ops.kpool_topk_triton
-        if self.backend == "triton":
-            if kernel is None:
-                raise ConfigError("indexer backend 'triton' needs the fused k-pool kernel, which is not importable "
-                                  "(is triton installed?); install triton or set backend to 'auto' or 'torch'.")
-            if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-                raise ConfigError(f"indexer backend 'triton' needs CUDA tensors (got {device}); set backend to 'auto' "
-                                  "or 'torch' on the CPU, or run with TRITON_INTERPRET=1 set before triton is imported.")
-            return "triton"
-        if device.type == "cuda":
-            if kernel is not None:
-                return "triton"
-            warn_fallback("The k-pool indexer runs the plain-torch selection on CUDA because the Triton kernel is "
-                          "not importable (slower, O(chunk * S/P) fp32 scores); install triton or set backend=torch "
-                          "to accept it.")
-        return "torch"
+    def pick(self, device: torch.device, chunk: int | None = _DEFAULT) -> str:
+        """"triton" or "torch" for kernels.indexer on `device` (the rule of `longctx.ops.pick`); `chunk`
+        None (the plan's unchunked baseline) makes auto the torch twin."""
+        chunk = self.chunk if chunk is _DEFAULT else chunk
+        return _pick("indexer", self.kernels["indexer"], indexer_ops.IMPLS, device.type == "cuda",
+                     lambda: indexer_ops.unavailable(device), plain=chunk is None)
 
     def _kernel_pools(self, x, q_latent, pk, n_pools: int, p0: int) -> torch.Tensor | None:
-        """int32 [B, T, k_sel] pool ids from the fused kernel (ascending, -1 padded); None without pools.
+        """int32 [B, T, k_sel] pool ids from the Triton path (ascending, -1 padded); None without pools.
 
         Same scores as `pool_scores` with D^-1/2 moved from the dot products into w (ReLU commutes
         with a positive factor). Shapes or dtypes the kernel cannot take raise its ValueError."""
+        from ..ops.indexer.triton import kpool_topk_triton
+
         k_sel = min(self.topk // self.pool, n_pools)
         if k_sel == 0:
             return None
         B, T = x.shape[:2]
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
-        if self.kernel in _KTH:
-            return indexer_ops.kpool_topk_two_phase(q, w, pk.to(q.dtype), self.pool, k_sel, q_offset=p0,
-                                                    kth=_KTH[self.kernel])
-        return indexer_ops.select_pools(q, w, pk.to(q.dtype), self.pool, k_sel, backend="triton", chunk=None,
-                                        q_offset=p0)
+        return kpool_topk_triton(q, w, pk.to(q.dtype), self.pool, k_sel, q_offset=p0)
 
     def _select_block(self, x, q_latent, pk, n_pools: int, p0: int, pools: torch.Tensor | None = None) -> torch.Tensor:
         """Queries at absolute positions p0 .. p0+c-1. `pools`: their pool ids from the kernel (int32,
@@ -364,3 +325,17 @@ class KPoolIndexer(nn.Module):
         logq = masked.log_softmax(-1).masked_fill(~support, 0.0)
         kl = (torch.xlogy(target, target) - target * logq).sum(-1) * ok.squeeze(-1)
         return kl.sum(), ok.sum().to(kl.dtype)
+
+    # ------------------------------------------------------------------ read by longctx/distributed/dsa_cp.py
+    kernel = "two_phase"  # the Triton path's name in the step log
+
+    def _pick_backend(self, device: torch.device) -> str:
+        return self.pick(device, chunk=0)
+
+    @property
+    def backend(self) -> str:
+        return self.kernels["indexer"]
+
+    @backend.setter
+    def backend(self, impl: str) -> None:
+        self.kernels["indexer"] = impl

@@ -1,100 +1,12 @@
-"""Dense SwiGLU MLP with the GLM clamp (gate <= limit, |up| <= limit)."""
+"""Dense SwiGLU MLP with the GLM clamp (gate <= limit, |up| <= limit); the activation is the swiglu op
+(`longctx.ops.swiglu`, the setting kernels.swiglu)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..ops import FUSED_IMPLS, fused_kernel_runs
-
-
-class _ClampedSwiGLU(torch.autograd.Function):
-    """silu(min(gate, limit)) * clamp(up, -limit, limit) that keeps only gate and up for backward (one
-    [2I] row per token where they are views of one projection, as in the experts) and recomputes the
-    clamps and the SiLU there. Plain autograd keeps the clamped gate, its SiLU and the clamped up too:
-    5 rows of the width against 2 (the down projection keeps the product either way); at h200-ref
-    18 KB per token and MoE layer. Forward and backward are plain autograd's ops, in the same dtypes:
-    outputs and gradients are bit-identical to it; the backward recomputes two clamps and a SiLU."""
-
-    @staticmethod
-    def forward(ctx, gate, up, limit):
-        ctx.save_for_backward(gate, up)
-        ctx.limit = limit
-        return clamped_swiglu_plain(gate, up, limit)
-
-    @staticmethod
-    def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        return *_swiglu_grads(gate, up, dy, ctx.limit), None
-
-
-def _swiglu_grads(gate, up, dy, lim, out_gate=None, out_up=None):
-    """What autograd runs for mul, silu and the two clamps (a clamp passes the gradient where its input
-    lies within the bounds, inclusive); `out_*`: tensors (views) to write the gradients into."""
-    gc = gate.clamp(max=lim)
-    d_gc = torch.ops.aten.silu_backward(dy * up.clamp(-lim, lim), gc)
-    zero = dy.new_zeros(())
-    d_gate = torch.where(gate <= lim, d_gc, zero, out=out_gate)
-    d_up = torch.where((up >= -lim) & (up <= lim), dy * F.silu(gc), zero, out=out_up)
-    return d_gate, d_up
-
-
-class _ClampedSwiGLUPacked(torch.autograd.Function):
-    """`_ClampedSwiGLU` on one [..., 2I] projection (gate | up, the experts' layout) whose gradient comes
-    back as one tensor, the two halves written in place. With two views as inputs autograd zero-fills a
-    [..., 2I] buffer per view and adds them (SliceBackward: 23 ms of copies in a 128k step, call 31's
-    profile by line). Same ops and dtypes: bit-identical to plain autograd."""
-
-    @staticmethod
-    def forward(ctx, h, limit):
-        ctx.save_for_backward(h)
-        ctx.limit = limit
-        I = h.shape[-1] // 2
-        return clamped_swiglu_plain(h[..., :I], h[..., I:], limit)
-
-    @staticmethod
-    def backward(ctx, dy):
-        h, = ctx.saved_tensors
-        I = h.shape[-1] // 2
-        dh = torch.empty_like(h)
-        _swiglu_grads(h[..., :I], h[..., I:], dy, ctx.limit, out_gate=dh[..., :I], out_up=dh[..., I:])
-        return dh, None
-
-
-SWIGLU_IMPLS = FUSED_IMPLS  # the training setting swiglu_impl
-
-
-def swiglu_uses_triton(impl: str, *ts: torch.Tensor) -> bool:
-    """`impl` (the training setting swiglu_impl): "torch" runs the Functions above, "triton" the fused
-    kernels of longctx/ops/swiglu/triton.py (same arithmetic and saved tensors), "auto" those on CUDA
-    (`ops.fused_kernel_runs`)."""
-    return fused_kernel_runs("swiglu_impl", impl, "swiglu.triton", *ts)
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, impl: str = "torch") -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit), keeping only gate and up for backward."""
-    if swiglu_uses_triton(impl, gate, up):
-        from ..ops.swiglu.triton import clamped_swiglu_triton
-
-        return clamped_swiglu_triton(gate, up, limit)
-    return _ClampedSwiGLU.apply(gate, up, limit)
-
-
-def clamped_swiglu_packed(h: torch.Tensor, limit: float, impl: str = "torch") -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit) of h = [gate | up] (the last dim split in halves)."""
-    if h.shape[-1] % 2:
-        raise ValueError(f"clamped_swiglu_packed: the last dim ({h.shape[-1]}) must be gate and up, of equal width.")
-    if swiglu_uses_triton(impl, h):
-        from ..ops.swiglu.triton import clamped_swiglu_packed_triton
-
-        return clamped_swiglu_packed_triton(h, limit)
-    return _ClampedSwiGLUPacked.apply(h, limit)
-
-
-def clamped_swiglu_plain(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """The same function through plain autograd (what `_ClampedSwiGLU` is tested against)."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+from ..ops import swiglu as swiglu_ops
 
 
 class DenseMLP(nn.Module):
@@ -104,11 +16,11 @@ class DenseMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.limit = swiglu_limit
-        self.impl = "auto"  # SWIGLU_IMPLS; `last_impl` says which ran (the step log)
-        self.last_impl: str | None = None
+        self.kernels = {"swiglu": "auto"}  # set by longctx.kernels.apply_kernels
+        self.last_impl: str | None = None  # which ran (the step log's implementation report)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        impl = "triton" if swiglu_uses_triton(self.impl, gate, up) else "torch"  # resolved once, named in the step log
+        impl = swiglu_ops.pick(self.kernels["swiglu"], gate, up)
         self.last_impl = f"swiglu:{impl}"
-        return self.down_proj(clamped_swiglu(gate, up, self.limit, impl))
+        return self.down_proj(swiglu_ops.clamped_swiglu(gate, up, self.limit, impl))

@@ -9,10 +9,11 @@ Training layout: the k * T (token, expert) pairs are sorted by expert so that ea
 contiguous slice, run as one `torch._grouped_mm` on CUDA (it takes bf16 only) or a loop over experts
 otherwise (`last_impl` says which ran), and put back in token order and summed per token by `_WeightedCombine`
 (a permutation gather and a batched product; the fp32 combine, a memory switch turned off, uses `index_add_`).
-Nothing of the router outlives the forward (seed 000,
-"router release": a tensor kept on the module pins a recomputed graph for the rest of backward).
+Nothing of the router outlives the forward ("router release", as in the 1M-token GLM-5.3-Flash
+training report: a tensor kept on the module pins a recomputed graph for the rest of backward).
 
-Quantile balancing (seed 001 section 3; Su, "MoE环游记 6"). The balanced assignment is the LP
+Quantile balancing ("Optimizing Long Context Training and Inference for Trillion-Scale Sparse Models",
+section 3; Su, "MoE环游记 6"). The balanced assignment is the LP
     max sum_ij x_ij s_ij  s.t.  sum_j x_ij = k (each token),  sum_i x_ij = q = m k / n (each expert)
 whose dual has a price alpha_i per token and beta_j per expert: token i takes expert j iff
 s_ij - beta_j > alpha_i, i.e. j is among the top k of s_i - beta. So the routing bias is
@@ -40,7 +41,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .mlp import DenseMLP, clamped_swiglu_packed, swiglu_uses_triton
+from ..ops import swiglu as swiglu_ops
+from .mlp import DenseMLP
 
 IMPLS = ("auto", "grouped_mm", "loop")
 
@@ -121,8 +123,8 @@ class RoutingTape:
     Why: a recompute that is not bit-identical to the forward it redoes (the sequence-chunked step
     rebuilds each chunk through other kernels than its prefill sweep used) can send a near-tied token
     to other experts; the gradient is then that of another function than the one whose carries it
-    uses. At initialisation router scores are nearly tied and bf16 flips many choices (seed 000's
-    trainer-vs-inference routing mismatch). Replaying the recorded indices makes the recompute route
+    uses. At initialisation router scores are nearly tied and bf16 flips many choices (the
+    trainer-vs-inference routing mismatch of the 1M-token GLM-5.3-Flash training report). Replaying the recorded indices makes the recompute route
     exactly as the forward did; the combine weights are still computed (and differentiated) afresh.
 
     `offset` is the sequence position of the next forward's first token (the chunked step sets it per
@@ -185,7 +187,8 @@ def _in_backward() -> bool:
 class _Fp32Logits(torch.autograd.Function):
     """x.float() @ W^T that saves x in its own dtype: plain autograd would keep the fp32 copy of x
     (4 bytes x hidden per token, 16 GiB per layer at 1M tokens) for the weight gradient; here the
-    cast is redone in backward instead (seed 000, "no fp32 copies")."""
+    cast is redone in backward instead (the 1M-token GLM-5.3-Flash training report's "no fp32
+    copies")."""
 
     @staticmethod
     def forward(ctx, x, weight):
@@ -229,8 +232,9 @@ class _WeightedCombine(torch.autograd.Function):
     in token order by a permutation gather and summed by a batched product. Backward keeps only ys (the
     weights' gradient needs it), w and the two permutations. The plain form,
     zeros.index_add_(0, token, ys * w), also keeps the [k x tokens, hidden] product (index_add_ saves
-    its source): 12.3 KB per token and MoE layer at h200-ref, which the H200's allocation trace showed
-    alive (call 27; the MoE's 12.5 KB/token over the count). Unlike index_add_, no atomics."""
+    its source): 12.3 KB per token and MoE layer at h200-ref, what the H200's allocation trace at the
+    peak (`python bench/memory.py --peak S --peak-trace`) shows alive with it, 12.5 KB a token over the
+    estimate's count (`tests/layers/test_moe.py` counts both on the CPU). Unlike index_add_, no atomics."""
 
     @staticmethod
     def forward(ctx, ys, w, order, inv):
@@ -261,13 +265,13 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(n_experts, hidden, intermediate))
         self.intermediate = intermediate
         self.limit = swiglu_limit
-        self.impl = "auto"  # mlp.SWIGLU_IMPLS; `last_impl` says which ran (the step log)
-        self.last_impl: str | None = None
+        self.kernels = {"swiglu": "auto"}  # set by longctx.kernels.apply_kernels
+        self.last_impl: str | None = None  # which ran (the step log's implementation report)
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
-        impl = "triton" if swiglu_uses_triton(self.impl, h) else "torch"  # resolved once, named in the step log
+        impl = swiglu_ops.pick(self.kernels["swiglu"], h)
         self.last_impl = f"swiglu:{impl}"
-        return clamped_swiglu_packed(h, self.limit, impl)  # h: [rows, 2I], gate rows then up rows
+        return swiglu_ops.clamped_swiglu_packed(h, self.limit, impl)  # h: [rows, 2I], gate rows then up rows
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor, impl: str) -> torch.Tensor:
         """xs [N, hidden] sorted by expert, counts [E] rows per expert -> [N, hidden]."""

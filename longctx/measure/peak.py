@@ -30,7 +30,7 @@ ALLOC, FREES = "alloc", ("free_completed",)
 def _where(frames: list[dict]) -> str:
     for f in frames or ():
         name = f.get("filename", "")
-        if "/longctx/" in name and not name.endswith("memory/peak.py"):
+        if "/longctx/" in name and not name.endswith("measure/peak.py"):
             return f"{name.split('/longctx/', 1)[1]}:{f.get('line')} {f.get('name')}"
     if frames:
         f = frames[0]

@@ -2,9 +2,9 @@
 
 Why: a long-sequence step allocates blocks of many large sizes (at 256k tokens, 6 GiB requests beside
 small ones). The default allocator carves requests out of cached segments and cannot merge the pieces,
-so memory that is free in total is not free in one piece: bench/memory.py at 262,144 tokens, recompute
-on and no offload, ran out of memory on the H200 with 114.9 GiB allocated and 18.4 GiB reserved but
-unallocated (bench/results/memory_runs/6_offload_256k.json). Expandable segments grow one virtual
+so memory that is free in total is not free in one piece: with it, bench/memory.py at 262,144 tokens
+(recompute on, no offload, `--cuda-alloc ''`) runs out of memory on the H200 with 114.9 GiB allocated and
+18.4 GiB reserved but unallocated. Expandable segments grow one virtual
 segment by mapping more physical memory instead (torchtitan's launch script sets the same).
 
 `memory` keeps the setting beside the plan it serves; the environment variable, when set, wins (it is

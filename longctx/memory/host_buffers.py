@@ -2,9 +2,10 @@
 
 torch's pinned memory (`pin_memory=True`, its caching host allocator) rounds every block up to a power
 of two: a 3 GiB block input takes 4 GiB of page-locked host memory, a 2.004 GiB selection 4, a 1.002 GiB
-one 2. On the H200 at 256k with all 12 blocks of h200-ref offloaded that was 72 GiB of host memory for
-54 GiB of saved tensors (bench/results/memory_runs/50_*: RSS 74.1 GiB, 2.0 without offload), and the 1M
-chunked step's 24 GiB of selections would take 48 (counted, not measured). Here a buffer is an ordinary (pageable) CPU tensor that CUDA then page-locks in place
+one 2 (`python bench/host_buffers.py`, bench/results/host_buffers.json). With all 12 blocks of h200-ref
+offloaded at 256k that is 72 GiB of host memory for 54 GiB of saved tensors on the H200 (an RSS of 74.1
+GiB against 2.0 without offload), and the 1M chunked step's 24 GiB of selections would take 48
+(counted). Here a buffer is an ordinary (pageable) CPU tensor that CUDA then page-locks in place
 (cudaHostRegister), so it costs what it holds; copies from and to it are as asynchronous as from pinned
 memory. `release` unregisters it (also done when the buffer is garbage collected).
 

@@ -13,12 +13,13 @@ The hooks must be active where autograd *packs* a custom Function's saved tensor
 
 Pinned buffers: by default the offloader keeps one step's buffers and the next step takes the same
 ones again: host memory is flat (the same buffers every step; those a step did not take go back) and
-nothing is page-locked twice; `close()` returns them. With `keep_pinned` off (seed 000's fix) every
-step's pinned blocks go back to the OS at its end, so host memory cannot grow either, but each step
-page-locks its buffers afresh (page-locking GiBs takes seconds, on the thread that launches the
-forward): on the H200 at 256k, 51.2 s a step against 18.3 s kept and 18.3 s without offload. Each
-buffer is page-locked at its exact size (`host_buffers.py`; torch's pinned allocator rounds to powers
-of two: 72 GiB of host memory for 54 GiB of tensors at 256k, H200 call 50).
+nothing is page-locked twice; `close()` returns them. With `keep_pinned` off (the 1M-token GLM-5.3-Flash
+training report's remedy for growing host memory) every step's pinned blocks go back to the OS at its
+end, so host memory cannot grow either, but each step page-locks its buffers afresh (page-locking GiBs
+takes seconds, on the thread that launches the forward): ~33 s a step for the 42 GiB of a 256k step on
+the H200 (`bench/memory.py --parts offload --offload-modes pinned,pinned_kept`). Each buffer is
+page-locked at its exact size (`host_buffers.py`; torch's pinned allocator rounds to powers of two: 72
+GiB of host memory for 54 GiB of tensors at 256k).
 
 On a CPU-only machine there is nothing to offload to; the hooks then keep tensors as they are
 (the logic is still exercised by tests through `force=True` with plain host buffers).
@@ -160,8 +161,8 @@ class Offloader:
 
     def end_step(self):
         """Forget this step's handles; then either put this step's buffers back in the offloader's own
-        pool for the next (`keep_pinned`), or hand cached pinned blocks back to the OS (seed 000:
-        PyTorch's host allocator otherwise keeps every freed pinned block)."""
+        pool for the next (`keep_pinned`), or hand cached pinned blocks back to the OS (PyTorch's host
+        allocator otherwise keeps every freed pinned block)."""
         self.handles.clear()
         self.groups.clear()
         self.group_order.clear()

@@ -1,17 +1,17 @@
-"""The memory plan: every technique of seed 000 as a named switch, and how to apply it to a model.
+"""The memory plan: every memory technique as a named switch, and how to apply it to a model.
 
     switch              on (default)                              off (`baseline`)
     sparse_kernel       DSA gathers only the selected latents     dense attention under the top-k mask, O(S^2)
     chunked_indexer     score/select `indexer_chunk` queries/pass  all queries at once in torch, O(S^2/P)
-                        (on CUDA the fused kernel, O(S x k))      (also on CUDA)
+                        (on CUDA the Triton path, O(1024 x S/P))  (also on CUDA)
     recompute           full per-block recompute ("auto": when     every activation kept for backward
                         the estimate says it is needed)
     offload             inputs of N blocks to pinned host memory  all on the GPU
                         ("auto": as few blocks as needed to fit)
     pin_memory          pinned host buffers, async copies          pageable buffers
     keep_pinned         the offloader keeps one step's pinned      pinned blocks back to the OS every step
-                        buffers for the next (flat: the same       (seed 000's fix; re-pinning GiBs each
-                        buffers every step; no re-pinning)         step: 51.2 s vs 18.3 s at 256k, H200)
+                        buffers for the next (flat: the same       (re-pinning GiBs each step: 51.2 s
+                        buffers every step; no re-pinning)         vs 18.3 s at 256k, H200)
     reuse_selection     recompute keeps the int32 selection        recompute re-runs the indexer
     reuse_attention     block recompute keeps each DSA layer's     recompute re-runs the sparse attention
                         attention output and log-sum-exp from the  forward (the kept output costs
@@ -39,7 +39,7 @@
 
 `MemoryPlan.from_dict({...})` validates names and values (one sentence per mistake);
 `apply_plan(model, plan)` sets the module switches and returns the block policy the trainer calls
-`end_step()` on.
+`end_step()` on; `longctx.memory.planner` resolves the "auto" switches first.
 """
 
 from __future__ import annotations
@@ -89,9 +89,6 @@ class MemoryPlan:
             base = cls.baseline()
         known = {f.name for f in dataclasses.fields(cls)}
         for k in d:
-            if k == "release_pinned":  # the switch before keep_pinned (its inverse)
-                raise ConfigError(f"memory.release_pinned is now memory.keep_pinned (its inverse, on by default); "
-                                  f"set memory.keep_pinned = {str(not d[k]).lower()}.")
             if k not in known:
                 raise ConfigError(f"unknown setting memory.{k}{did_you_mean(k, known) or '; the switches are ' + ', '.join(sorted(known))}")
         for k in ("offload", "seq_chunk"):
@@ -132,7 +129,7 @@ class MemoryPlan:
 
 def apply_plan(model, plan: MemoryPlan):
     """Set every module's switches from `plan`; install the block policy. Returns it (or None).
-    recompute/offload "auto" must be resolved first (`plan_for_stage`, `estimate.auto_plan`)."""
+    recompute/offload "auto" must be resolved first (`planner.plan_for_stage`, `planner.auto_plan`)."""
     from ..layers.dsa import SparseMLA
     from ..layers.moe import MoE
     from ..layers.residual import MHC
@@ -140,7 +137,7 @@ def apply_plan(model, plan: MemoryPlan):
 
     if "auto" in (plan.recompute, plan.offload):
         raise ValueError(f"apply_plan needs a resolved plan (recompute={plan.recompute!r}, offload={plan.offload!r}); "
-                         "resolve 'auto' with longctx.memory.estimate.auto_plan or plan_for_stage first.")
+                         "resolve 'auto' with longctx.memory.planner.auto_plan or plan_for_stage first.")
     # an unresolved seq_chunk "auto" means the whole sequence: only the estimator turns chunking on
     chunked = plan.seq_chunk_tokens() > 0
     if chunked:
@@ -187,24 +184,3 @@ def apply_plan(model, plan: MemoryPlan):
     else:
         model.block_fn = None
     return model.block_fn
-
-
-def plan_for_stage(cfg, stage, device, stage_index: int = 0) -> MemoryPlan:
-    """The plan for one curriculum stage: config `memory`, then the stage's `memory`, then the
-    estimator resolves "auto" (recompute and offload only when the stage would not fit)."""
-    plan = MemoryPlan.from_dict(cfg.memory)
-    if stage.memory:
-        plan = MemoryPlan.from_dict(stage.memory, base=plan)
-    from ..train.trainer import resolve_dtype
-    from .estimate import resolve_auto
-
-    act_bytes = resolve_dtype(cfg.dtype, torch.device(device)).itemsize  # activations in the autocast dtype
-    resolved, est = resolve_auto(plan, cfg.model, stage.seq_len * stage.batch_size, device, act_bytes,
-                                 getattr(cfg, "residual_impl", "auto"), getattr(cfg, "kda_norm", "auto"))
-    if est is not None and not est["fits"]:
-        raise ConfigError(
-            f"stages.{stage_index}.seq_len ({stage.seq_len:,} x batch {stage.batch_size}) does not fit on this device even with "
-            f"recompute, offload and sequence chunks (estimated {est['gpu_reserved_bytes'] / 2**30:.0f} GiB reserved of {est['gpu_capacity'] / 2**30:.0f}); "
-            "lower the sequence length or batch size (see `longctx estimate`)."
-        )
-    return resolved

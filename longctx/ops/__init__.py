@@ -1,7 +1,25 @@
-"""Kernels and their plain-torch twins. Triton kernels run on CUDA tensors, and on CPU tensors under the
-Triton interpreter (TRITON_INTERPRET=1, set before triton is imported), which the CPU tests use."""
+"""Kernels and their plain-torch twins, one package per op: `ops/<op>/{__init__.py, naive.py, <backend>.py}`.
 
+Each op's `__init__.py` defines its settings once, `IMPLS` = ("auto", "torch", <its fast backend>), and
+`unavailable(device, cfg)`: why the fast backend cannot run there (None where it can). `pick` below is the
+one rule by which every layer chooses at run time, and `longctx.kernels.planned` says ahead of a run:
+
+  "torch"    the plain-torch twin (`naive.py`), always;
+  <backend>  the fast path ("triton", "fla", "liger"); where it cannot run, a ConfigError naming
+             kernels.<op> and the fix, never a quiet substitute;
+  "auto"     the fast path on CUDA where it imports and takes the inputs, else the torch twin: without a
+             word on the CPU (nothing was asked of a GPU), with a warning on CUDA.
+
+Triton kernels run on CUDA tensors, and on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1,
+set before triton is imported), which the CPU tests use: there an explicit "triton" runs on the CPU.
+This module and every `ops/<op>/__init__.py` import without torch, triton, fla or liger: the twins and
+wrappers they name load on first use (`lazy_attr`)."""
+
+from __future__ import annotations
+
+import functools
 import os
+from collections.abc import Callable
 
 
 def triton_interpreting() -> bool:
@@ -9,8 +27,77 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def pick(op: str, impl: str, impls: tuple[str, ...], cuda: bool, why_not: Callable[[], str | None],
+         plain: bool = False, warn: bool = True) -> str:
+    """What runs for the setting kernels.<op> = `impl`: "torch" or `impls[2]`, the op's fast backend.
+
+    cuda: the inputs are (or will be) on a CUDA device. why_not(): why the fast backend cannot run them,
+    None where it can; asked only where the answer matters, so a CPU run never imports a kernel library.
+    plain: the memory plan's baseline switch for this op is off (`memory.loss_chunk` 0, `chunked_indexer`
+    or `mhc_cast_recompute` false); auto then takes the twin, which is what the baseline measures.
+    warn: False when planning (`kernels.planned`) rather than running."""
+    from ..errors import ConfigError, warn_fallback
+
+    if impl not in impls:
+        raise ConfigError(f"kernels.{op} must be one of {', '.join(impls)} (got {impl!r}).")
+    if impl == "torch" or (impl == "auto" and (not cuda or plain)):
+        return "torch"
+    why = why_not()
+    if why is None:
+        return impls[2]
+    if impl != "auto":
+        raise ConfigError(f"kernels.{op} = {impl!r} cannot run here ({why}); set kernels.{op} to 'auto' or 'torch'.")
+    if warn:
+        warn_fallback(f"kernels.{op} auto runs the plain-torch twin on CUDA ({why}); set kernels.{op} = 'torch' to "
+                      "accept it.")
+    return "torch"
+
+
+def fast_path_problem(device, import_error: Callable[[], str | None], library: str,
+                      interpreter: bool = False) -> str | None:
+    """Why a fast backend cannot run on `device` (a torch.device or its name), or None.
+
+    import_error(): why its library does not import (None where it does). interpreter: a Triton kernel,
+    which also runs CPU tensors under TRITON_INTERPRET=1. A CUDA device this process does not see (an
+    estimate for another machine) is taken to have what `pip install -e .[gpu]` installs."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda" and not (interpreter and triton_interpreting()):
+        return (f"it runs on CUDA tensors{' (or under TRITON_INTERPRET=1)' if interpreter else ''}, "
+                f"and these are on {dev.type}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return None
+    err = import_error()
+    return None if err is None else f"{library} does not import: {err}; `pip install -e .[gpu]` installs it"
+
+
+def lazy_attr(package: str, table: dict[str, str], name: str):
+    """`package`'s attribute `name` from the submodule `table` names for it, imported on first use: an op
+    package's twins and wrappers need torch, and its __init__ imports without it (longctx.config reads
+    each op's IMPLS and stays torch-free). For a module-level `__getattr__`."""
+    if name not in table:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{package}.{table[name]}"), name)
+
+
+@functools.lru_cache(maxsize=None)
+def module_import_error(name: str) -> str | None:
+    """Why the module `name` (one of our Triton backends, e.g. "longctx.ops.rms_norm.triton") does not
+    import, or None."""
+    import importlib
+
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 - ImportError, or a triton/torch mismatch raised while importing
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 # The elements an int32 offset reaches (0 .. 2^31 - 1): kernels that address a tensor that way read and
-# write out of bounds past it (liger's mHC kernels do; bench/NOTES.md, calls 41-42).
+# write out of bounds past it (liger's mHC kernels do).
 INT32_ELEMENTS = 2**31
 
 
@@ -50,38 +137,3 @@ def warn_tf32(op: str, fix: str, *tensors) -> None:
         warn_fallback(f"{op} takes fp32 inputs' products in TF32 (10-bit mantissas, about 3e-4 relative error "
                       f"where fp32 gives 1e-7): {fix}; or allow TF32 (torch.backends.cuda.matmul.allow_tf32 = True) "
                       "to accept it.")
-
-
-FUSED_IMPLS = ("auto", "torch", "triton")  # the settings norm_impl and swiglu_impl
-
-
-def fused_kernel_runs(setting: str, impl: str, module: str, *tensors) -> bool:
-    """Whether a layer's fused Triton op (longctx.ops.<module>) runs for `impl`, the training setting
-    `setting`: "torch" never; "triton" always (the op then checks its input and raises a ConfigError with
-    what it takes and the fix); "auto" on CUDA tensors the module's `runs_here` accepts, else the torch
-    form, said once per message where CUDA was there (errors.warn_fallback), never silently. The module
-    is imported only for CUDA tensors: a CPU-only install may have no triton."""
-    from ..errors import ConfigError, warn_fallback
-
-    if impl == "torch":
-        return False
-    if impl not in FUSED_IMPLS:
-        raise ConfigError(f"{setting} must be one of {', '.join(FUSED_IMPLS)} (got {impl!r}).")
-    if impl == "triton":
-        return True
-    if not tensors[0].is_cuda:
-        return False
-    import importlib
-
-    try:
-        k = importlib.import_module(f"{__name__}.{module}")
-    except ImportError as e:
-        warn_fallback(f"{setting} auto runs the torch form on CUDA because the fused kernel does not import ({e}); "
-                      f"install triton or set {setting} = 'torch' to accept it.")
-        return False
-    if not k.runs_here(*tensors):
-        warn_fallback(f"{setting} auto runs the torch form on CUDA for inputs "
-                      f"{', '.join(f'{tuple(t.shape)} {t.dtype}' for t in tensors)}, which the fused kernel does not "
-                      f"take; set {setting} = 'torch' to accept it.")
-        return False
-    return True

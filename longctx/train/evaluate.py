@@ -2,7 +2,8 @@
 
 Windows start at document starts, so position p has exactly p tokens of same-document context.
 Local learning lowers every bucket about equally; a larger drop at late positions can only come
-from using the long context (seed 000, "Per-position loss shows long-context learning").
+from using the long context. `format_table` prints the buckets for `longctx train` (before -> after)
+and `longctx eval` (one checkpoint) alike.
 """
 
 from __future__ import annotations
@@ -48,7 +49,14 @@ def per_position_loss(model, windows: torch.Tensor, n_buckets: int = 8, batch_si
     return {"loss": sums.sum().item() / max(total, 1), "tokens": int(total), "buckets": buckets}
 
 
-def format_table(before: dict, after: dict) -> str:
+def format_table(before: dict, after: dict | None = None) -> str:
+    """The loss of each position bucket and overall: one column for one evaluation (`longctx eval`),
+    before, after and the change in % for two (the end of `longctx train`)."""
+    if after is None:
+        lines = [f"{'positions':>16} {'loss':>8}"]
+        lines += [f"{b['start']:>7}-{b['end']:<8} {b['loss']:8.4f}" for b in before["buckets"]]
+        lines.append(f"{'all':>16} {before['loss']:8.4f}")
+        return "\n".join(lines)
     lines = [f"{'positions':>16} {'before':>8} {'after':>8} {'change':>8}"]
     for b0, b1 in zip(before["buckets"], after["buckets"]):
         ch = (b1["loss"] - b0["loss"]) / b0["loss"] * 100 if b0["loss"] else float("nan")

@@ -3,8 +3,9 @@
     longctx train                      # the CPU demo: small model, stdlib corpus, 1k -> 4k tokens
     longctx train --preset h200-curriculum --out runs/h200
 
-One log line per step (step, stage, sequence length, loss, grad norm, tokens/s, peak memory, MoE
-balance, and which kernel each layer kind ran), metrics.jsonl always, TensorBoard when installed.
+One short line per step (`progress.step_line`: step N/total, loss, tokens/s, time left, peak memory,
+then stage, sequence length, grad norm and MoE balance) and a `kernels:` line whenever the kernels
+the layers ran change; metrics.jsonl always, TensorBoard when installed (and a note when it is not).
 Held-out per-position loss before and after training; PNG plots; atomic checkpoints (periodic, at
 the end of each stage, and at the step boundary after a SIGINT or SIGTERM). A resumed run takes
 the run's saved config and continues the data stream, optimizer, RNG, router balancing state and
@@ -33,23 +34,12 @@ from ..data.sources import load_documents, load_split
 from ..data.tokenizers import load_tokenizer, separator_id, tokenize_documents
 from ..errors import ConfigError, UserError
 from .evaluate import format_table, per_position_loss
+from .progress import Eta, TensorBoard, step_line
 from ..memory import allocator
+from ..kernels import apply_kernels
 from ..model import LongCtxModel
 from ..config.train import TrainConfig
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device is 'cuda' but no CUDA GPU is visible; set device=auto or device=cpu.")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+from ..devices import resolve_device, resolve_dtype
 
 
 def lr_at(stage, step_in_stage: int) -> float:
@@ -309,7 +299,8 @@ def resume_changes(saved: dict, cfg: TrainConfig, step: int | None, where: str =
 def resume_config(out: str, config_file: str | None = None, preset: str | None = None, sets=()) -> TrainConfig:
     """The config to resume the run in `out` with: its saved config, with what --config / --preset /
     --set give laid over it; refused (RunFolderError) where that changes more than RESUMABLE."""
-    from ..config.train import _assign, _check_keys, _merge, _read_config_file, _split_set
+    from ..config.loading import _assign, _merge, _read_config_file, _split_set
+    from ..config.train import _check_keys
 
     saved, where = read_run_config(out)
     raw = _read_config_file(config_file) if config_file else {}
@@ -386,10 +377,7 @@ class Trainer:
                 eval_len = longest
             self.eval_set = eval_windows(self.eval_tokens, eval_len, cfg.data.eval_windows, starts_only=False).tokens
         self.model = LongCtxModel(cfg.model).to(self.device)
-        self.model.set_backend(cfg.backend)
-        self.model.set_impls(loss=cfg.loss_impl, residual=cfg.residual_impl, indexer_kernel=cfg.indexer_kernel,
-                             kda_conv=cfg.kda_conv, kda_norm=cfg.kda_norm, norm=cfg.norm_impl,
-                             swiglu=cfg.swiglu_impl)
+        self.kernels_planned = apply_kernels(self.model, cfg.kernels)  # {op: what runs}; raises what cannot run
         self.opt = make_optimizer(self.model, cfg, self.device)
         self.step = 0
         self.before = None
@@ -397,7 +385,8 @@ class Trainer:
         self.memory_policy = None
         self.stage_entered = None  # the stage whose window, mixture and memory plan are in place
         self.stage_estimate_gib = None  # `longctx estimate` of the stage's plan (CUDA only), shown beside each peak
-        self._tb = None
+        self._tb = None  # a progress.TensorBoard while run() runs
+        self._kernels_said = None  # the impl report the last `kernels:` line printed
 
     # ------------------------------------------------------------------ bookkeeping
     def stage_at(self, step: int) -> tuple[int, int]:
@@ -412,16 +401,14 @@ class Trainer:
         self.history.append(rec)
         with open(os.path.join(self.out, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
-        if self._tb is not None and "loss" in rec:
-            for k in ("loss", "grad_norm", "tokens_per_s", "lr", "peak_gib"):
-                if rec.get(k) is not None:
-                    self._tb.add_scalar(k, rec[k], rec["step"])
+        if self._tb is not None:
+            self._tb.record(rec)
 
     def state(self) -> dict:
         return {"step": self.step, "data": self.stream.state_dict(), "before": self.before}
 
     def save(self, reason: str):
-        if self._saved_step == self.step:  # nothing has changed since; a rewrite would first delete it
+        if self._saved_step == self.step:  # this step's checkpoint exists; a rewrite would first delete it
             return os.path.join(self.out, f"ckpt-{self.step:06d}")
         path = ckpt.save(self.out, self.step, self.model, self.opt, self.state(), self.cfg.to_dict())
         self._saved_step = self.step
@@ -464,14 +451,13 @@ class Trainer:
         return self._eval_fwd
 
     def _pick_eval_forward(self):
-        from ..memory.estimate import resolve_auto
         from ..memory.plan import MemoryPlan
+        from ..memory.planner import resolve_auto
         from ..memory.sequence_chunks import SequenceChunker
 
         L = self.eval_set.shape[1] - 1
         plan, _ = resolve_auto(MemoryPlan.from_dict(self.cfg.memory), self.cfg.model, L, self.device,
-                               resolve_dtype(self.cfg.dtype, self.device).itemsize, self.cfg.residual_impl,
-                               self.cfg.kda_norm)
+                               resolve_dtype(self.cfg.dtype, self.device).itemsize, self.cfg.kernels)
         c = plan.seq_chunk_tokens()
         return SequenceChunker(c).token_losses if 0 < c < L else None
 
@@ -527,20 +513,33 @@ class Trainer:
         model.clear_aux()
         return rec
 
-    def format(self, r: dict) -> str:
-        bal = f" | moe max/mean {r['moe_max_over_mean']:.2f}" if r.get("moe_max_over_mean") else ""
-        est = f" (est {r['estimate_gib']:.1f})" if r.get("estimate_gib") is not None else ""
-        return (f"step {r['step']:5d} | stage {r['stage']} | seq {r['seq_len']:7d} | loss {r['loss']:.4f} | "
-                f"gnorm {r['grad_norm']:.2f} | {r['tokens_per_s']:8.0f} tok/s | peak {r['peak_gib']:.2f} GiB{est}{bal} | "
-                f"{r['impl']}")
+    def show_step(self, rec: dict, on_cadence: bool) -> None:
+        """The step line every log_every steps (and at the last), and the `kernels:` line on the
+        process's first step and whenever the report changes, with that step's line above it
+        (a change off the cadence shows when it happened)."""
+        if self.quiet:
+            return
+        changed = rec.get("impl") != self._kernels_said
+        if on_cadence or changed:
+            self.log(step_line(rec))
+        if changed:
+            self._kernels_said = rec.get("impl")
+            self.log(f"kernels: {rec.get('impl') or '-'}")
+            if self._tb is not None:
+                self._tb.kernels(rec.get("impl") or "-", rec["step"])
 
     def run(self, resume: bool = False, stop_after: int | None = None, force: bool = True) -> dict:
         """Train to the end (or `stop_after` steps in total). A fresh run (not `resume`) into a folder
         holding a run clears it first (`clear_run`) when `force`, else refuses; the CLI passes
         force only with --force, while a caller of this method asks for a fresh run by calling it.
         SIGINT / SIGTERM end the step in flight, save a checkpoint and raise Interrupted."""
-        with self._stop:
-            return self._run(resume, stop_after, force)
+        try:
+            with self._stop:
+                return self._run(resume, stop_after, force)
+        finally:  # an interrupted run's events are flushed too
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
 
     def _run(self, resume: bool, stop_after: int | None, force: bool) -> dict:
         check_out_dir(self.out, resume, force and not resume)
@@ -553,23 +552,22 @@ class Trainer:
         os.makedirs(self.out, exist_ok=True)
         with open(os.path.join(self.out, "config.json"), "w") as f:
             json.dump(self.cfg.to_dict(), f, indent=2, default=str)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(self.out, "tb"))
-        except Exception:
-            self._tb = None
+        self._tb = TensorBoard(os.path.join(self.out, TB_DIR))
         n = self.model.num_parameters()
         if not self.quiet:
             self.log(f"model: {self.cfg.model.summary()} | {n['total'] / 1e6:.2f}M params ({n['active'] / 1e6:.2f}M active)"
                      + (f" | {self.cfg.vocab_note}" if self.cfg.vocab_note else ""))
             self.log(f"data: {len(self.train_tokens)} train docs ({sum(len(t) for t in self.train_tokens):,} tokens), "
                      f"{len(self.eval_tokens)} held-out docs; device {self.device}, dtype {str(self.dtype).replace('torch.', '')}")
+            if self._tb.note:
+                self.log(f"note: {self._tb.note}")
         if self.before is None and self.eval_set is not None:
             self.before = self.evaluate("before")
             if not self.quiet:
                 self.log(f"held-out loss before training: {self.before['loss']:.4f}")
         total = self.cfg.total_steps()
         last = total if stop_after is None else min(total, stop_after)
+        eta = Eta(self.cfg.stages)
         while self.step < last and self._stop.signum is None:  # a signal waits for the step boundary
             si, k = self.stage_at(self.step)
             stage = self.cfg.stages[si]
@@ -577,9 +575,10 @@ class Trainer:
                 self.enter_stage(si)
             rec = self.train_step(stage, k)
             self.step += 1
+            eta.add(si, rec["step_s"])
+            rec["total_steps"], rec["eta_s"] = total, eta.remaining_s(self.step)
             self._record(rec)
-            if not self.quiet and (self.step % max(1, self.cfg.log_every) == 0 or self.step == last):
-                self.log(self.format(rec))
+            self.show_step(rec, self.step % max(1, self.cfg.log_every) == 0 or self.step == last)
             end_of_stage = self.stage_at(self.step)[1] == 0
             if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.step < total:
                 self.evaluate(f"step{self.step}")
@@ -608,8 +607,6 @@ class Trainer:
         summary = {"step": self.step, "before": self.before, "after": after, "table": table}
         with open(os.path.join(self.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        if self._tb is not None:
-            self._tb.close()
         return summary
 
     def enter_stage(self, si: int):
@@ -629,7 +626,8 @@ class Trainer:
     def apply_memory(self, stage):
         """Apply the stage's memory plan (see longctx.memory); a no-op until a plan is set."""
         try:
-            from ..memory.plan import apply_plan, plan_for_stage
+            from ..memory.plan import apply_plan
+            from ..memory.planner import plan_for_stage
         except ImportError:
             return
         plan = plan_for_stage(self.cfg, stage, self.device, self.cfg.stages.index(stage))
@@ -638,12 +636,12 @@ class Trainer:
         self.memory_policy = apply_plan(self.model, plan)
         self.stage_estimate_gib = None
         if self.device.type == "cuda":  # each step's line then shows the measured peak beside it
-            from ..memory.estimate import device_gpu_key, estimate
+            from ..memory.model_bytes import device_gpu_key, estimate
 
             e = estimate(self.cfg.model, stage.seq_len * stage.batch_size, plan, 1, device_gpu_key(self.device),
-                         self.dtype.itemsize, residual_impl=self.cfg.residual_impl, kda_norm=self.cfg.kda_norm)
+                         self.dtype.itemsize, self.cfg.kernels)
             self.stage_estimate_gib = e["gpu_bytes"] / 2**30
-        from ..memory.estimate import whole_sequence_warning
+        from ..memory.planner import whole_sequence_warning
 
         warning = whole_sequence_warning(self.cfg.model, stage.seq_len * stage.batch_size, plan)
         if warning and self.device.type == "cuda":  # the CPU's kernels index in 64 bits

@@ -21,18 +21,16 @@ except ImportError:  # Python 3.10
 
 from longctx.config import ModelConfig, preset
 from longctx.errors import ConfigError
+from longctx.config.kernels import OPS, KernelConfig
 from longctx.config.train import (
-    BACKENDS,
     DEVICES,
     DTYPES,
-    LOSS_IMPLS,
-    RESIDUAL_IMPLS,
     SCHEDULES,
     DataConfig,
     Stage,
     TrainConfig,
-    load_train_config,
 )
+from longctx.config.loading import load_train_config, to_toml
 
 
 # ------------------------------------------------------------------------------ good input
@@ -52,10 +50,10 @@ def test_h200_curriculum():
 def test_round_trip_toml_json_yaml(tmp_path):
     c = load_train_config(None, "tiny", ["model.vocab_size=256", "data.sources.long=/books",
                                          "stages.1.data_mix={main = 1.0, long = 3.0}", "memory.recompute=\"full\""])
-    (tmp_path / "c.toml").write_text(c.to_toml())
+    (tmp_path / "c.toml").write_text(to_toml(c))
     (tmp_path / "c.json").write_text(c.to_json())
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(c.to_dict()))
-    tomllib.loads(c.to_toml())
+    tomllib.loads(to_toml(c))
     for name in ("c.toml", "c.json", "c.yaml"):
         assert load_train_config(str(tmp_path / name), None, []) == c, name
 
@@ -82,90 +80,81 @@ TINY_RUN = ["model.vocab_size=256", "stages=[{seq_len = 64, steps = 1, lr = 1e-3
             "log_every=1000"]
 
 
-def test_impl_settings_default_round_trip_and_print():
-    from longctx.layers.kda import CONV_IMPLS, NORM_IMPLS
-    from longctx.layers.kpool_indexer import INDEXER_KERNELS as model_indexer_kernels
-    from longctx.layers.norms import RMS_NORM_IMPLS
-    from longctx.layers.residual import RESIDUAL_IMPLS as model_residual_impls
-    from longctx.ops.loss.liger import LOSS_IMPLS as model_loss_impls
-    from longctx.config.train import INDEXER_KERNELS, KDA_CONVS, KDA_NORMS
-    from longctx.config.train import NORM_IMPLS as TRAIN_NORM_IMPLS
-
-    assert LOSS_IMPLS == model_loss_impls and RESIDUAL_IMPLS == model_residual_impls
-    assert INDEXER_KERNELS == model_indexer_kernels and KDA_CONVS == CONV_IMPLS and KDA_NORMS == NORM_IMPLS
-    assert TRAIN_NORM_IMPLS == RMS_NORM_IMPLS
+def test_kernel_settings_default_round_trip_and_print():
+    """The [kernels] table: one field per op, its values the op's own (`ops/<op>/__init__.py`), auto by
+    default; --set reaches it, --print-config prints it as a table that loads back."""
     c = load_train_config()
-    assert c.loss_impl == "auto" and c.residual_impl == "auto"
-    assert c.indexer_kernel == "two_phase" and c.kda_conv == "auto" and c.kda_norm == "auto"
-    assert c.norm_impl == "auto"  # the fused kernels on CUDA (measured on the H200: memory_runs/33_*)
-    c = load_train_config(None, "tiny", ["model.vocab_size=256", "loss_impl=torch", "residual_impl=liger"])
-    assert c.loss_impl == "torch" and c.residual_impl == "liger"
-    text = c.to_toml()
-    assert 'loss_impl = "torch"' in text and 'residual_impl = "liger"' in text
-    assert tomllib.loads(text)["residual_impl"] == "liger" and c.to_dict()["loss_impl"] == "torch"
+    assert c.kernels == KernelConfig() and set(c.kernels.to_dict().values()) == {"auto"}
+    for f in dataclasses.fields(KernelConfig):
+        assert OPS[f.name].IMPLS[:2] == ("auto", "torch"), f.name
+    c = load_train_config(None, "tiny", ["model.vocab_size=256", "kernels.loss=torch", "kernels.mhc=liger"])
+    assert c.kernels.loss == "torch" and c.kernels.mhc == "liger" and c.kernels.kda == "auto"
+    text = to_toml(c)
+    assert "\n[kernels]\n" in text and 'loss = "torch"' in text and 'mhc = "liger"' in text
+    assert tomllib.loads(text)["kernels"]["mhc"] == "liger" and c.to_dict()["kernels"]["loss"] == "torch"
     assert TrainConfig.from_dict(json.loads(c.to_json())) == c
-    assert load_train_config(None, "tiny", ["model.vocab_size=256"]).to_dict()["residual_impl"] == "auto"
+    assert load_train_config(None, "tiny", ["model.vocab_size=256"]).to_dict()["kernels"]["mhc"] == "auto"
 
 
-def test_trainer_applies_impl_settings(tmp_path):
+@pytest.mark.parametrize("old,new", [("backend", "kernels.kda, kernels.sparse_attention and kernels.indexer"),
+                                     ("loss_impl", "kernels.loss"), ("residual_impl", "kernels.mhc"),
+                                     ("kda_conv", "kernels.kda_conv"), ("kda_norm", "kernels.kda_norm"),
+                                     ("norm_impl", "kernels.rms_norm"), ("swiglu_impl", "kernels.swiglu")])
+def test_the_flat_kernel_settings_name_their_replacement(tmp_path, old, new):
+    """A config of the old layout is one sentence naming the kernels.<op> that replaces the setting, from
+    --set and from a file (a saved run's config too); no setting is read under its old name."""
+    with pytest.raises(ConfigError, match=f"^{old} is now .*{new}; set"):
+        load_train_config(None, "tiny", [f"{old}=torch"])
+    (tmp_path / "old.toml").write_text(f'{old} = "auto"\n')
+    with pytest.raises(ConfigError, match=f"^{old} is now"):
+        load_train_config(str(tmp_path / "old.toml"), None, [])
+    with pytest.raises(ConfigError, match="^indexer_kernel is gone: .*kernels.indexer"):
+        load_train_config(None, "tiny", ["indexer_kernel=two_phase"])
+
+
+def test_trainer_applies_kernel_settings(tmp_path):
+    from longctx.kernels import apply_kernels
     from longctx.layers.kda import KimiDeltaAttention
-    from longctx.layers.kpool_indexer import KPoolIndexer
     from longctx.layers.residual import MHC
     from longctx.train.trainer import Trainer
 
-    cfg = load_train_config(None, "tiny", [*TINY_RUN, "loss_impl=torch", "residual_impl=torch", "indexer_kernel=fused",
-                                           "kda_conv=torch"])
+    cfg = load_train_config(None, "tiny", [*TINY_RUN, "kernels.loss=torch", "kernels.mhc=torch", "kernels.kda_conv=torch"])
     tr = Trainer(cfg, out_dir=str(tmp_path), quiet=True)
     mhc = [m for m in tr.model.modules() if isinstance(m, MHC)]
-    assert mhc and all(m.impl == "torch" for m in mhc) and tr.model.loss_impl == "torch"
-    kinds = {type(m): m for m in tr.model.modules()}
-    assert kinds[KPoolIndexer].kernel == "fused" and kinds[KimiDeltaAttention].conv_impl == "torch"
+    assert mhc and all(m.kernels["mhc"] == "torch" for m in mhc) and tr.model.kernels["loss"] == "torch"
+    kda = next(m for m in tr.model.modules() if isinstance(m, KimiDeltaAttention))
+    assert kda.kernels == {"kda": "auto", "kda_conv": "torch", "kda_norm": "auto"}
+    assert set(tr.kernels_planned.values()) == {"torch"}  # what runs on the CPU, said before the first step
     tr.run(stop_after=1)
     impl = next(r for r in tr.history if "impl" in r)["impl"]
     assert "loss:torch" in impl and "mhc:torch" in impl and "liger" not in impl, impl
     saved = list(tmp_path.rglob("train_config.json"))  # the checkpoint keeps the settings
-    assert saved and all(json.loads(p.read_text())["loss_impl"] == "torch" for p in saved)
-    assert json.loads((tmp_path / "config.json").read_text())["residual_impl"] == "torch"
-    # set_impls leaves a switch it is not given alone, and refuses unknown names
-    tr.model.set_impls(loss="auto")
-    assert tr.model.loss_impl == "auto" and all(m.impl == "torch" for m in mhc)
-    with pytest.raises(ConfigError, match="residual_impl must be one of"):
-        tr.model.set_impls(residual="fast")
+    assert saved and all(json.loads(p.read_text())["kernels"]["loss"] == "torch" for p in saved)
+    assert json.loads((tmp_path / "config.json").read_text())["kernels"]["mhc"] == "torch"
+    # apply_kernels sets every op from the one config it is given, and refuses unknown values
+    apply_kernels(tr.model, KernelConfig(loss="auto"))
+    assert tr.model.kernels["loss"] == "auto" and all(m.kernels["mhc"] == "auto" for m in mhc)
+    with pytest.raises(ConfigError, match="kernels.mhc must be one of"):
+        apply_kernels(tr.model, KernelConfig(mhc="fast"))
 
 
-@pytest.mark.parametrize("setting", ["loss_impl", "residual_impl"])
-def test_liger_on_the_cpu_is_a_clean_config_error(tmp_path, setting):
+@pytest.mark.parametrize("op,impl", [("loss", "liger"), ("mhc", "liger"), ("kda", "fla"), ("kda_conv", "fla"),
+                                     ("kda_norm", "fla"), ("rms_norm", "triton"), ("swiglu", "triton"),
+                                     ("sparse_attention", "triton"), ("indexer", "triton")])
+def test_a_fast_path_on_the_cpu_is_a_clean_config_error(tmp_path, monkeypatch, op, impl):
+    """Every op's fast backend asked for on the CPU stops the run before its first step, with one sentence
+    naming the setting and the fix."""
     from longctx.train.trainer import Trainer
 
-    cfg = load_train_config(None, "tiny", [*TINY_RUN, "device=cpu", f"{setting}=liger"])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = load_train_config(None, "tiny", [*TINY_RUN, "device=cpu", f"kernels.{op}={impl}"])
     with pytest.raises(ConfigError) as e:
         Trainer(cfg, out_dir=str(tmp_path), quiet=True).run(stop_after=1)
-    assert f"{setting} 'liger' needs CUDA" in str(e.value), str(e.value)
-
-
-def test_fla_conv_on_the_cpu_is_a_clean_config_error(tmp_path):
-    from longctx.train.trainer import Trainer
-
-    cfg = load_train_config(None, "tiny", [*TINY_RUN, "device=cpu", "kda_conv=fla"])
-    with pytest.raises(ConfigError) as e:
-        Trainer(cfg, out_dir=str(tmp_path), quiet=True).run(stop_after=1)
-    assert "KDA conv 'fla' (setting kda_conv" in str(e.value) and "set kda_conv to 'auto' or 'torch'" in str(e.value)
-    cfg = load_train_config(None, "tiny", [*TINY_RUN, "device=cpu", "kda_norm=fla"])
-    with pytest.raises(ConfigError) as e:
-        Trainer(cfg, out_dir=str(tmp_path), quiet=True).run(stop_after=1)
-    assert "KDA norm 'fla' (setting kda_norm" in str(e.value) and "set kda_norm to 'auto' or 'torch'" in str(e.value)
-
-
-@pytest.mark.parametrize("setting,op", [("norm_impl", "RMSNorm"), ("swiglu_impl", "SwiGLU")])
-def test_triton_fused_op_on_the_cpu_is_a_clean_config_error(tmp_path, setting, op):
-    from longctx.train.trainer import Trainer
-
-    cfg = load_train_config(None, "tiny", [*TINY_RUN, "device=cpu", f"{setting}=triton"])
-    with pytest.raises(ConfigError) as e:
-        Trainer(cfg, out_dir=str(tmp_path), quiet=True).run(stop_after=1)
-    assert f"{op} 'triton' (setting {setting}) needs CUDA" in str(e.value), str(e.value)
-    with pytest.raises(ConfigError, match=f"{setting} must be one of auto, torch, triton"):
-        load_train_config(None, "tiny", [*TINY_RUN, f"{setting}=fused"]).validate()
+    msg = str(e.value)
+    assert msg.startswith(f"kernels.{op} = '{impl}' cannot run here (it runs on CUDA tensors"), msg
+    assert msg.endswith(f"set kernels.{op} to 'auto' or 'torch'."), msg
+    with pytest.raises(ConfigError, match=f"kernels.{op} must be one of auto, torch, {impl}"):
+        load_train_config(None, "tiny", [*TINY_RUN, f"kernels.{op}=fused"]).validate()
 
 
 def test_liger_on_the_cpu_exits_2_from_the_cli(tmp_path):
@@ -174,12 +163,12 @@ def test_liger_on_the_cpu_exits_2_from_the_cli(tmp_path):
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sets = [a for s in [*TINY_RUN, "device=cpu", "residual_impl=liger"] for a in ("--set", s)]
+    sets = [a for s in [*TINY_RUN, "device=cpu", "kernels.mhc=liger"] for a in ("--set", s)]
     r = subprocess.run([sys.executable, "-m", "longctx", "train", "--preset", "tiny", *sets, "--out", str(tmp_path)],
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=repo), timeout=300,
                        check=False)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1].startswith("error: residual_impl"), r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1].startswith("error: kernels.mhc"), r.stderr
 
 
 # ------------------------------------------------------------------------------ each kind of bad input
@@ -207,12 +196,15 @@ BAD_SETS = [
     (["stages.0.data_mix.main=-1"], "stages.0.data_mix.main"),
     (["dtype=bf16"], "did you mean bfloat16"),
     (["device=gpu"], "device must be one of"),
-    (["backend=fla"], "backend must be one of"),
-    (["loss_impl=fused"], "loss_impl must be one of auto, torch, liger (got 'fused')"),
-    (["residual_impl=ligr"], "residual_impl must be one of auto, torch, liger (got 'ligr'); did you mean liger"),
-    (["indexer_kernel=radix"], "indexer_kernel must be one of fused, two_phase, two_phase_radix, two_phase_grouped (got 'radix')"),
-    (["kda_conv=cuda"], "kda_conv must be one of auto, torch, fla (got 'cuda')"),
-    (["kda_norm=cuda"], "kda_norm must be one of auto, torch, fla (got 'cuda')"),
+    (["backend=fla"], "backend is now three settings, kernels.kda, kernels.sparse_attention and kernels.indexer"),
+    (["loss_impl=fused"], "loss_impl is now kernels.loss"),
+    (["kernels.loss=fused"], "kernels.loss must be one of auto, torch, liger (got 'fused')"),
+    (["kernels.mhc=ligr"], "kernels.mhc must be one of auto, torch, liger (got 'ligr'); did you mean liger"),
+    (["indexer_kernel=radix"], "indexer_kernel is gone"),
+    (["kernels.kda_conv=cuda"], "kernels.kda_conv must be one of auto, torch, fla (got 'cuda')"),
+    (["kernels.kda_norm=cuda"], "kernels.kda_norm must be one of auto, torch, fla (got 'cuda')"),
+    (["kernels.kda_nrom=fla"], "unknown setting kernels.kda_nrom; did you mean kda_norm"),
+    (["kernels=3"], "kernels must be a table"),
     (["betas=[0.9]"], "betas"),
     (["grad_clip=-1"], "grad_clip"),
     (["data.eval_docs=-2"], "data.eval_docs"),
@@ -272,9 +264,9 @@ def test_bad_files(tmp_path):
 def _typed_fields():
     """(section, field, allowed base types) for every scalar setting."""
     out = []
-    for section, cls, skip in (("", TrainConfig, {"model", "data", "stages", "preset", "memory", "betas"}),
+    for section, cls, skip in (("", TrainConfig, {"model", "data", "stages", "preset", "memory", "betas", "kernels"}),
                                ("model", ModelConfig, set()), ("data", DataConfig, {"sources"}),
-                               ("stage", Stage, {"data_mix", "memory"})):
+                               ("stage", Stage, {"data_mix", "memory"}), ("kernels", KernelConfig, set())):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.name in skip:
@@ -290,10 +282,11 @@ POSITIVE = [("model", n) for n in ("vocab_size", "hidden_size", "num_layers", "k
     [("stage", "seq_len"), ("stage", "steps"), ("stage", "batch_size"), ("", "log_every")]
 NON_NEGATIVE = [("stage", "warmup"), ("", "seed"), ("", "eval_every"), ("", "ckpt_every"),
                 ("data", "eval_docs"), ("data", "eval_windows"), ("model", "n_shared_experts")]
-ENUMS = [("", "dtype", DTYPES), ("", "device", DEVICES), ("", "backend", BACKENDS), ("", "loss_impl", LOSS_IMPLS),
-         ("", "residual_impl", RESIDUAL_IMPLS), ("stage", "schedule", SCHEDULES),
-         ("model", "residual", ("mhc", "attnres", "plain")), ("model", "balancer", ("quantile", "sign", "aux", "none"))]
-KNOWN = {name for _, name, _ in TYPED} | {"model", "data", "stages", "preset", "memory", "betas", "sources", "data_mix"}
+ENUMS = [("", "dtype", DTYPES), ("", "device", DEVICES), ("stage", "schedule", SCHEDULES),
+         ("model", "residual", ("mhc", "attnres", "plain")), ("model", "balancer", ("quantile", "sign", "aux", "none"))] + \
+    [("kernels", op, pkg.IMPLS) for op, pkg in OPS.items()]
+KNOWN = {name for _, name, _ in TYPED} | {"model", "data", "stages", "preset", "memory", "betas", "sources", "data_mix",
+                                          "kernels"}
 
 
 def _wrong_value(allowed: set):
@@ -447,11 +440,11 @@ def test_a_model_preset_sizes_its_vocabulary_to_the_tokenizer(tmp_path, capsys):
 
     c = load_train_config(None, "tiny", [])
     assert c.model.vocab_size == 256 and c.model.hidden_size == preset("tiny").hidden_size
-    assert "tiny preset has 97" in c.to_toml().splitlines()[1]
-    assert "tiny preset has 97" in TrainConfig(preset="tiny").validate().to_toml()
-    assert "preset has" not in load_train_config(None, "small", []).to_toml()  # 256 already
+    assert "tiny preset has 97" in to_toml(c).splitlines()[1]
+    assert "tiny preset has 97" in to_toml(TrainConfig(preset="tiny").validate())
+    assert "preset has" not in to_toml(load_train_config(None, "small", []))  # 256 already
     assert load_train_config(None, "h200-ref", []).model.vocab_size == preset("h200-ref").vocab_size  # never shrunk
-    (tmp_path / "run.toml").write_text(c.to_toml())
+    (tmp_path / "run.toml").write_text(to_toml(c))
     assert load_train_config(str(tmp_path / "run.toml"), None, []) == c
     assert TrainConfig.from_dict({"preset": "tiny"}).model.vocab_size == 256
     for n, want in ((300, 300), (50, 97)):  # a larger tokenizer grows it; a smaller one keeps the preset's

@@ -141,7 +141,7 @@ def test_layer_sparse_equals_dense_impl_fwd_bwd():
     x = torch.randn(2, 45, cfg.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     res = []
     for impl in ("sparse", "dense"):
-        layer.attn_impl, layer.backend = impl, "torch"
+        layer.attn_impl, layer.kernels["sparse_attention"] = impl, "torch"
         y, sel = layer(x)
         assert layer.last_impl == {"sparse": "dsa:torch-sparse", "dense": "dsa:dense-masked"}[impl]
         grads = torch.autograd.grad((y * y).sum(), [p for n, p in layer.named_parameters() if "indexer" not in n])
@@ -405,17 +405,22 @@ def test_indexer_loss_trains_only_the_indexer(S):
 
 
 def test_backend_switches_raise_instead_of_falling_back(monkeypatch):
+    """kernels.sparse_attention triton on CPU tensors (no interpreter) is one ConfigError naming the setting,
+    before anything runs; an unknown attn_impl too."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cfg = make_cfg()
     layer = SparseMLA(cfg, 3)
     x = torch.randn(1, 9, cfg.hidden_size)
     layer(x)
     assert layer.last_impl == "dsa:torch-sparse"  # auto on the CPU is the torch twin
-    layer.backend, layer.last_impl = "triton", None
-    with pytest.raises((ConfigError, ValueError), match="triton"):  # no kernel, or it refuses CPU tensors
+    layer.kernels["sparse_attention"], layer.last_impl = "triton", None
+    with pytest.raises(ConfigError, match=r"kernels.sparse_attention = 'triton' cannot run here .*CUDA"):
         layer(x)
-    assert layer.last_impl in (None, "dsa:triton-sparse")
-    layer.backend, layer.attn_impl = "auto", "flash"
+    assert layer.last_impl is None
+    layer.kernels["sparse_attention"] = "cuda"
+    with pytest.raises(ConfigError, match="kernels.sparse_attention must be one of auto, torch, triton"):
+        layer(x)
+    layer.kernels["sparse_attention"], layer.attn_impl = "auto", "flash"
     with pytest.raises(ConfigError, match="attn_impl"):
         layer(x)
 
@@ -452,7 +457,7 @@ def test_indexer_loss_under_no_grad_first_pass():
 
 def test_pool_scores_are_fp32_under_autocast():
     """score(t, p) in fp32 as documented, also under bf16 autocast: bf16 scores tie, and torch.topk
-    breaks ties differently for the decode path's shorter rows (bench/decode_drift_layers.py)."""
+    breaks ties differently for the decode path's shorter rows."""
     cfg = make_cfg(index_pool=4, index_topk=16)
     ind = KPoolIndexer(cfg, 0)
     randomize(ind, 5)

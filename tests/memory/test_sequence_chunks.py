@@ -11,7 +11,7 @@ import torch
 from longctx.config import preset
 from longctx.errors import ConfigError
 from longctx.layers.moe import MoE
-from longctx.memory.estimate import auto_plan
+from longctx.memory.planner import auto_plan
 from longctx.measure.meter import LiveBytes
 from longctx.memory.plan import MemoryPlan, apply_plan
 from longctx.memory.sequence_chunks import SequenceChunker
@@ -331,7 +331,7 @@ def test_auto_plan_chunks_only_when_blocks_cannot_fit():
 
 
 def test_trainer_runs_a_chunked_stage(tmp_path):
-    from longctx.config.train import load_train_config
+    from longctx.config.loading import load_train_config
     from longctx.train.trainer import Trainer
 
     # sign balancing sums the chunks' loads, so the router bias follows the whole-sequence run exactly

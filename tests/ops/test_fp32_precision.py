@@ -60,7 +60,7 @@ def test_warn_tf32_speaks_for_fp32_inputs_once_unless_tf32_is_allowed(tf32, fres
 
 
 def test_fla_chunk_kda_says_it_takes_fp32_through_tf32(monkeypatch, tf32, fresh_warnings):
-    """The wrapper warns, naming chunk_kda and the torch backend, for fp32 q/k/v, and not for bf16 (fla stubbed:
+    """The wrapper warns, naming chunk_kda and kernels.kda 'torch', for fp32 q/k/v, and not for bf16 (fla stubbed:
     the warning comes before the kernel runs)."""
     from longctx.ops.kda import fla as fla_backend
 
@@ -119,7 +119,6 @@ class _Catch:
 def _launches() -> list[tuple]:
     """(module, kernel name, call on tensors of a dtype) for every kernel launch of ours with a PREC."""
     from longctx.ops.mhc import triton as mp
-    from longctx.ops.indexer import fused as ik
     from longctx.ops.indexer import triton as tp
     from longctx.ops.sparse_attention import triton as sk
 
@@ -137,7 +136,6 @@ def _launches() -> list[tuple]:
         (sk, "_sparse_attn_fwd", lambda dt: sk.sparse_attention_fwd(*sparse(dt), 0.25)),
         (sk, "_sparse_attn_bwd", lambda dt: sk.sparse_attention_bwd(
             *(s := sparse(dt)), torch.randn_like(s[0]), torch.zeros(1, 4, 2), torch.randn_like(s[0]), 0.25)),
-        (ik, "_kpool_topk_kernel", lambda dt: ik.kpool_topk_triton(*indexer(dt), 4, 1)),
         (tp, "_kpool_score_kernel", lambda dt: tp.kpool_scores_triton(*indexer(dt), 4, 2)),
         (mp, "_project_fwd", lambda dt: mp.project_fwd(*mhc(dt), 1e-6)),
         (mp, "_project_bwd", lambda dt: mp.project_bwd(*(x := mhc(dt)), torch.randn(5, 24), torch.rand(5) + 1,
@@ -148,8 +146,8 @@ def _launches() -> list[tuple]:
 def test_our_kernels_launch_fp32_inputs_with_ieee_dots(monkeypatch):
     """Each of our Triton launches gives fp32 inputs "ieee" dots (caught before the kernel runs; CPU tensors pass
     the wrappers' device checks as under the interpreter); bf16 inputs keep TF32 on the kernels whose twins
-    state it (the sparse attention's and the mHC projection's; the indexers compare exactly under the
-    interpreter, so there they take "ieee" too)."""
+    state it (the sparse attention's and the mHC projection's; the indexer's compares exactly under the
+    interpreter, so there it takes "ieee" too)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for mod, name, call in _launches():
         seen: list = []

@@ -1,4 +1,4 @@
-"""The fused k-pool indexer (score + top-k pools): torch twin vs a slow reference, Triton kernel vs the twin.
+"""The k-pool indexer (score + top-k pools): the torch twin vs a slow reference, the Triton path vs the twin.
 
 The twin is checked in-process against a per-query Python sort (fp64 scores, key (-score, pool)).
 The Triton kernel runs on the CPU through the interpreter: `TRITON_INTERPRET=1` must be set before
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from longctx import errors
-from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch, select_from_scores, select_pools
+from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch, select_from_scores
 
 
 def ref_select(q, w, pk, P, K, q_offset=0) -> torch.Tensor:
@@ -54,14 +54,12 @@ def int_problem(B, S, H, D, NP, lo, seed, dtype=torch.float32):
     return q, w, pk
 
 
-# (name, B, S, H, D, P, NP, K, q_offset, lo, dtype, cfg)
+# (name, B, S, H, D, P, NP, K, q_offset, lo, dtype, tiles)
 CASES = [
-    # many ties, two blocks of queries, several pool tiles, 2-bit digits (more search passes)
-    # pure radix select (no candidate buffer)
-    ("ties_fp32", 2, 45, 3, 16, 2, 22, 7, 0, 1, "float32", {"BLOCK_M": 8, "BLOCK_N": 16, "RBITS": 2, "CAND": 0}),
-    # the one-hot histogram variant, wider values, a 4-key candidate buffer (ranked ties, row sort)
-    ("onehot_hist", 1, 40, 5, 24, 1, 40, 9, 0, 3, "float32",
-     {"BLOCK_M": 8, "BLOCK_N": 16, "HIST_TL": False, "CAND": 4}),
+    # many ties, two blocks of queries, several pool tiles
+    ("ties_fp32", 2, 45, 3, 16, 2, 22, 7, 0, 1, "float32", {"BLOCK_M": 8, "BLOCK_N": 16}),
+    # wider values, every token its own pool
+    ("wide_values", 1, 40, 5, 24, 1, 40, 9, 0, 3, "float32", {"BLOCK_M": 8, "BLOCK_N": 16}),
     # bf16 inputs, decoding offset, pools beyond the causal range, production tile shape
     ("bf16_offset", 1, 30, 16, 32, 4, 20, 5, 13, 2, "bfloat16", {"BLOCK_N": 16}),
     # k_pools above the pool count: every row partly -1; P=4 and D=8 (padded to 16)
@@ -108,41 +106,25 @@ def kth_gap(ind, x, ql) -> float:
 
 
 def _run_layer_cases() -> None:
-    """The layer's select with backend triton (the kernel, interpreted) against backend torch."""
+    """The layer's select with kernels.indexer triton (the Triton path, interpreted) against torch."""
     from longctx.layers.kpool_indexer import IndexerCache
 
-    # whole sequences (the kernel's default tiles): S=101 is four query blocks of 32 (8 heads), the
+    # whole sequences (the kernels' default tiles): S=101 is four query blocks of 32 (8 heads), the
     # last one ragged, and 25 pools (a partial pool tile of 64); topk 16 in pools of 4 = 4 pools per
-    # query, tail on. (The interpreter needs ~1 s per program, mostly the deferred rows' sort.)
+    # query, tail on.
     ind, x, ql = layer_problem(2, 101, 8, 16, 16, 4, seed=3)
-    ind.backend, ind.kernel = "triton", "fused"
+    ind.kernels["indexer"] = "triton"
     got = ind.select(x, ql)
     impl = ind.last_impl
-    ind.backend = "torch"
+    ind.kernels["indexer"] = "torch"
     ref_chunked = ind.select(x, ql, chunk=7)
     ref_unchunked = ind.select(x, ql, chunk=None)
     print("RESULT " + json.dumps({"name": "layer_full", "impl": impl, "gap": kth_gap(ind, x, ql),
                                   "equal": bool(torch.equal(got, ref_chunked) and torch.equal(got, ref_unchunked)),
                                   "n_bad_rows": int((got != ref_chunked).any(-1).sum())}), flush=True)
-    ind.backend, ind.kernel = "triton", "two_phase"
-    two = ind.select(x, ql)
-    impl_two = ind.last_impl
-    ind.kernel = "two_phase_radix"
-    two_r = ind.select(x, ql)
-    print("RESULT " + json.dumps({"name": "layer_two_phase", "impl": impl_two, "impl_radix": ind.last_impl,
-                                  "equal": bool(torch.equal(two, ref_chunked) and torch.equal(two_r, ref_chunked))}),
-          flush=True)
-    ind.kernel = "radix"
-    try:
-        ind.select(x, ql)
-        bad_kernel = "accepted"
-    except Exception as e:  # noqa: BLE001 - the type is asserted on the pytest side
-        bad_kernel = f"{type(e).__name__}: {e}"
-    print("RESULT " + json.dumps({"name": "layer_bad_kernel", "error": bad_kernel}), flush=True)
-    ind.kernel = "fused"
 
-    # decoding with the default kernel (two_phase): a ragged prefill, then steps of 1..13 tokens crossing pool boundaries (query offset
-    # p0 not a multiple of the pool or of the tiles), each backend with its own cache
+    # decoding: a ragged prefill, then steps of 1..13 tokens crossing pool boundaries (query offset p0 not a
+    # multiple of the pool or of the tiles), each backend with its own cache
     ind, x, ql = layer_problem(1, 83, 8, 16, 20, 4, seed=4)
     caches = {"triton": IndexerCache(), "torch": IndexerCache()}
     bounds = [0, 45, 46, 47, 52, 65, 66, 83]
@@ -150,12 +132,12 @@ def _run_layer_cases() -> None:
     for a, b in itertools.pairwise(bounds):
         outs = {}
         for backend in ("triton", "torch"):
-            ind.backend = backend
+            ind.kernels["indexer"] = backend
             outs[backend] = ind.select(x[:, a:b], ql[:, a:b], cache=caches[backend])
             impls.add(ind.last_impl)
         equal &= torch.equal(outs["triton"], outs["torch"])
         n_bad += int((outs["triton"] != outs["torch"]).any(-1).sum())
-    ind.backend = "torch"
+    ind.kernels["indexer"] = "torch"
     full = ind.select(x, ql)  # decoding picks the same tokens as the whole sequence at once
     print("RESULT " + json.dumps({"name": "layer_cache", "impls": sorted(impls), "gap": kth_gap(ind, x, ql),
                                   "equal": bool(equal), "n_bad_rows": n_bad,
@@ -166,28 +148,20 @@ def _run_layer_cases() -> None:
 def _run_cases() -> None:
     """Subprocess body: TRITON_INTERPRET=1 is already in the environment."""
     _run_layer_cases()
-    from longctx.ops.indexer.fused import LAST_LAUNCH, kpool_topk_triton
-    from longctx.ops.indexer.triton import kpool_scores_triton, kpool_topk_two_phase
+    from longctx.ops.indexer.triton import kpool_scores_triton, kpool_topk_triton, select_from_scores_triton
 
-    for i, (name, B, S, H, D, P, NP, K, off, lo, dt, cfg) in enumerate(CASES):
+    for i, (name, B, S, H, D, P, NP, K, off, lo, dt, tiles) in enumerate(CASES):
         q, w, pk = int_problem(B, S, H, D, NP, lo, seed=100 + i, dtype=getattr(torch, dt))
         if name == "all_zero":
             w = torch.zeros_like(w)
             w[..., ::2] = -0.0  # zero scores whatever the heads' ReLUs: lowest pool ids win
         q = torch.cat([q, torch.zeros_like(q[..., :3])], -1)[..., :D]  # a strided view
         twin = kpool_topk_torch(q, w, pk, P, K, chunk=7, q_offset=off)
-        out = kpool_topk_triton(q, w, pk, P, K, q_offset=off, cfg=cfg)
-        tiles = {k: v for k, v in cfg.items() if k in ("BLOCK_M", "BLOCK_N")}
-        two = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2))
-        two_t = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2), select="torch")
-        two_r = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2), kth="radix")
-        two_g = kpool_topk_two_phase(q, w, pk, P, K, chunk=13, q_offset=off, cfg=dict(tiles, TILES=2), kth="grouped")
-        res = {"name": name, "equal": bool(torch.equal(out, twin)), "dtype": str(out.dtype),
-               "two_phase_equal": bool(torch.equal(two, twin) and torch.equal(two_t, twin) and torch.equal(two_r, twin)
-                                       and torch.equal(two_g, twin)),
-               "two_phase_dtype": str(two.dtype),
-               "n_bad_rows": int((out != twin).any(-1).sum()), "passes_max": int(LAST_LAUNCH["passes"].max()),
-               "deferred": int(LAST_LAUNCH["deferred"].sum())}
+        cfg = dict(tiles, TILES=2)
+        out = kpool_topk_triton(q, w, pk, P, K, chunk=13, q_offset=off, cfg=cfg)
+        out_t = kpool_topk_triton(q, w, pk, P, K, chunk=13, q_offset=off, cfg=cfg, select="torch")
+        res = {"name": name, "equal": bool(torch.equal(out, twin)), "equal_torch_select": bool(torch.equal(out_t, twin)),
+               "dtype": str(out.dtype), "n_bad_rows": int((out != twin).any(-1).sum())}
         print("RESULT " + json.dumps(res), flush=True)
 
     # fresh float inputs: scores differ from the twin's in the last bits (summation order), so the
@@ -197,7 +171,7 @@ def _run_cases() -> None:
     q = torch.randn(B, S, H, D, generator=g) * D**-0.5
     pk = torch.randn(B, S // P, D, generator=g)
     w = torch.randn(B, S, H, generator=g) * H**-0.5
-    out = kpool_topk_triton(q, w, pk, P, K, cfg={"BLOCK_N": 16})
+    out = kpool_topk_triton(q, w, pk, P, K, chunk=11, cfg={"BLOCK_N": 16, "TILES": 2})
     twin = kpool_topk_torch(q, w, pk, P, K)
     score = torch.einsum("bsh,bshn->bsn", w.double(), torch.einsum("bshd,bnd->bshn", q.double(), pk.double()).relu())
     worst = 0.0
@@ -211,43 +185,17 @@ def _run_cases() -> None:
 
     # the emit kernel on its own: integer scores (many ties), unselectable entries anywhere (rows with
     # none, few or all selectable), k from 1 to more than the row
-    from longctx.ops.indexer.triton import select_from_scores_triton
-
     g = torch.Generator().manual_seed(11)
     sc = torch.randint(-3, 4, (2, 37, 150), generator=g).float()
     valid = torch.rand(2, 37, 150, generator=g) < torch.linspace(0, 1, 37)[None, :, None]
     sc = torch.where(valid, sc, float("-inf"))
     sel_ok = all(torch.equal(select_from_scores_triton(sc, k, block_n=32), select_from_scores(sc, valid, k))
                  for k in (1, 7, 64, 200))
-    sel_radix = all(torch.equal(select_from_scores_triton(sc, k, block_n=32, kth="radix"), select_from_scores(sc, valid, k))
-                    for k in (1, 7, 64, 200))
-    sel_grouped = all(torch.equal(select_from_scores_triton(sc, k, block_n=32, kth="grouped"), select_from_scores(sc, valid, k))
-                      for k in (1, 7, 64, 200))
-    print("RESULT " + json.dumps({"name": "emit_kernel", "equal": bool(sel_ok), "radix_equal": bool(sel_radix),
-                                  "grouped_equal": bool(sel_grouped)}), flush=True)
+    print("RESULT " + json.dumps({"name": "emit_kernel", "equal": bool(sel_ok)}), flush=True)
 
-    # the radix k-th kernel alone against torch.topk's k-th value, both digit widths: ties, -inf rows
-    # (none, some, all selectable), signed zeros, subnormal and huge magnitudes, k past the row
-    from longctx.ops.indexer.triton import kth_scores_triton
-
-    rows = torch.randint(-3, 4, (1, 6, 257), generator=g).float()
-    rows[0, 0] = float("-inf")
-    rows[0, 1, 5:] = float("-inf")
-    rows[0, 2] = torch.where(torch.arange(257) % 2 == 0, -0.0, 0.0)
-    rows[0, 3] = torch.randn(257, generator=g) * 1e-40
-    rows[0, 4] = -torch.rand(257, generator=g) * 1e30
-    rows[0, 5] = torch.randn(257, generator=g)
-    kth_bad = []
-    for rbits in (8, 4):
-        for k in (1, 2, 100, 257, 300):
-            got = kth_scores_triton(rows, k, rbits=rbits, block_n=64)
-            ref = rows.topk(min(k, 257), dim=-1, sorted=False).values.amin(-1)
-            if not torch.equal(got, ref):
-                kth_bad.append([rbits, k, got.tolist(), ref.tolist()])
-    print("RESULT " + json.dumps({"name": "kth_radix", "bad": kth_bad}), flush=True)
-
-    # the two-phase path's scores against the twin's (fp32 in both; -inf exactly where not selectable),
+    # the score kernel's scores against the twin's (fp32 in both; -inf exactly where not selectable),
     # with a query offset and a column count past the pools, then its picks on the same float inputs
+    # through the emit kernel and through the twin's selection (the same scores: the same ids)
     off, n_cols = 5, S // P + 3
     got = kpool_scores_triton(q, w, pk, P, n_cols, q_offset=off, cfg={"BLOCK_N": 16, "TILES": 3})
     ref = torch.full_like(got, float("-inf"))
@@ -257,10 +205,10 @@ def _run_cases() -> None:
     ref = torch.where(sel, ref, float("-inf"))
     fin = torch.isfinite(ref)
     rel = ((got[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item()
-    two = kpool_topk_two_phase(q, w, pk, P, K, chunk=11, cfg={"BLOCK_N": 16, "TILES": 2})
-    print("RESULT " + json.dumps({"name": "two_phase_scores", "same_mask": bool(torch.equal(torch.isfinite(got), fin)),
-                                  "max_rel": rel, "picks_equal_fused": bool(torch.equal(two, out)),
-                                  "n_bad_rows": int((two != out).any(-1).sum())}), flush=True)
+    out_t = kpool_topk_triton(q, w, pk, P, K, chunk=11, cfg={"BLOCK_N": 16, "TILES": 2}, select="torch")
+    print("RESULT " + json.dumps({"name": "scores", "same_mask": bool(torch.equal(torch.isfinite(got), fin)),
+                                  "max_rel": rel, "picks_equal_torch_select": bool(torch.equal(out_t, out)),
+                                  "n_bad_rows": int((out_t != out).any(-1).sum())}), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -272,96 +220,42 @@ def interp_results():
 
 # ------------------------------------------------------------------------------ Triton (interpreter)
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
-def test_kernel_matches_twin_exactly(interp_results, case):
-    pytest.importorskip("triton")
-    r = interp_results[case]
-    assert r["equal"], r
-    assert r["dtype"] == "torch.int32", r
-    assert r["passes_max"] <= 33, r
-
-
-@pytest.mark.parametrize("case", [c[0] for c in CASES])
-def test_two_phase_matches_twin_exactly(interp_results, case):
-    """kpool_topk_two_phase (the score kernel, then the emit kernel or torch's selection) == the twin,
+def test_triton_path_matches_twin_exactly(interp_results, case):
+    """kpool_topk_triton (the score kernel, then the emit kernel or the twin's selection) == the twin,
     ties included."""
     pytest.importorskip("triton")
     r = interp_results[case]
-    assert r["two_phase_equal"] and r["two_phase_dtype"] == "torch.int32", r
+    assert r["equal"] and r["equal_torch_select"], r
+    assert r["dtype"] == "torch.int32", r
 
 
 def test_emit_kernel_matches_select_from_scores(interp_results):
-    """select_from_scores_triton == the twin's select_from_scores on tied scores with -inf anywhere,
-    with the k-th score from torch.topk and from the radix kernel."""
+    """select_from_scores_triton == the twin's select_from_scores on tied scores with -inf anywhere."""
     pytest.importorskip("triton")
-    r = interp_results["emit_kernel"]
-    assert r["equal"] and r["radix_equal"] and r["grouped_equal"], r
+    assert interp_results["emit_kernel"]["equal"], interp_results["emit_kernel"]
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_grouped_kth_equals_topk_kth(seed):
-    """kth_scores_grouped (top-k over group maxima, then over the chosen groups) gives torch.topk's k-th
-    value exactly: small-integer rows (ties everywhere), rows with -inf anywhere (none, few or all
-    selectable), ragged lengths (a short last group), k from 1 past the row, every group width."""
-    from longctx.ops.indexer.triton import kth_group_size, kth_scores_grouped
-
-    g = torch.Generator().manual_seed(seed)
-    for n in (1, 7, 64, 257, 1000):
-        rows = torch.randint(-3, 4, (2, 9, n), generator=g).float()
-        rows[0, 1:4] += torch.randn(3, n, generator=g)  # distinct values too
-        keep = torch.rand(2, 9, n, generator=g) < torch.linspace(0, 1, 9)[None, :, None]
-        rows = torch.where(keep, rows, float("-inf"))
-        for k in (1, 2, 5, 37, n, n + 3):
-            ref = rows.topk(min(k, n), dim=-1, sorted=False).values.amin(-1)
-            for G in (None, 1, 2, 3, 8, 64):
-                got = kth_scores_grouped(rows, k, group=G)
-                assert torch.equal(got, ref), (n, k, G, got, ref)
-    assert kth_group_size(16384, 512) in (4, 8) and kth_group_size(131072, 512) == 16 and kth_group_size(1000, 512) == 1
-
-
-def test_radix_kth_matches_topk(interp_results):
-    """_kth_score_kernel gives torch.topk's k-th value exactly: ties, -inf, signed zeros, subnormal and
-    huge scores, k past the row, 8- and 4-bit digits."""
-    pytest.importorskip("triton")
-    assert interp_results["kth_radix"]["bad"] == [], interp_results["kth_radix"]
-
-
-def test_two_phase_scores_and_float_picks(interp_results):
-    """Its scores are the twin's to fp32 rounding with -inf exactly on the unselectable pools; on
-    float inputs its picks are the fused kernel's (one tile-score code path)."""
-    r = interp_results["two_phase_scores"]
+def test_scores_and_float_picks(interp_results):
+    """The score kernel's scores are the twin's to fp32 rounding with -inf exactly on the unselectable
+    pools; on float inputs the emit kernel picks what the twin's selection picks from the same scores."""
+    r = interp_results["scores"]
     assert r["same_mask"] and r["max_rel"] < 1e-5, r
-    assert r["picks_equal_fused"], r
+    assert r["picks_equal_torch_select"], r
 
 
-def test_kernel_paths_exercised(interp_results):
-    """The cases reach the candidate buffer (deferred rows) and, without it, several search passes."""
-    assert interp_results["onehot_hist"]["deferred"] > 0, interp_results["onehot_hist"]
-    assert interp_results["bf16_offset"]["deferred"] > 0, interp_results["bf16_offset"]
-    assert interp_results["ties_fp32"]["deferred"] == 0 and interp_results["ties_fp32"]["passes_max"] >= 3
-    assert interp_results["k_over_np"]["passes_max"] == 0  # every row takes all it sees
-
-
-def test_kernel_float_inputs(interp_results):
+def test_triton_path_float_inputs(interp_results):
+    """On float inputs the Triton path and the twin differ only between pools within fp32 rounding of the
+    k-th score."""
     r = interp_results["float_random"]
     assert r["worst_gap"] < 1e-5, r
 
 
 def test_layer_triton_backend_matches_torch(interp_results):
-    """KPoolIndexer.select with backend triton (the fused kernel) == backend torch, chunked and not."""
+    """KPoolIndexer.select with kernels.indexer triton (the Triton path) == torch, chunked and not."""
     r = interp_results["layer_full"]
     assert r["gap"] > 1e-4, r  # the random setup has no (near-)tie at any k-th score
-    assert r["impl"] == "indexer:triton-fused", r
+    assert r["impl"] == "indexer:triton-two-phase", r
     assert r["equal"], r
-
-
-def test_layer_two_phase_kernel_matches_torch(interp_results):
-    """KPoolIndexer.kernel = two_phase: the same picks as the torch backend, visible in last_impl; an
-    unknown kernel name is a ConfigError naming the choices."""
-    r = interp_results["layer_two_phase"]
-    assert r["impl"] == "indexer:triton-two-phase" and r["impl_radix"] == "indexer:triton-two-phase-radix", r
-    assert r["equal"], r
-    err = interp_results["layer_bad_kernel"]["error"]
-    assert err.startswith("ConfigError") and "fused, two_phase" in err, err
 
 
 def test_layer_triton_backend_matches_torch_decoding(interp_results):
@@ -397,13 +291,22 @@ def test_gpu_structure_check_accepts_the_twin_and_rejects_broken_layouts():
             check_structure(bad, P, K)
 
 
+def _as_if_on_cuda(monkeypatch):
+    """The layer's picks as on CUDA with the Triton path importable (the real rule, its plain switch kept)."""
+    from longctx import ops
+    from longctx.layers import kpool_indexer as ki
+
+    monkeypatch.setattr(ki, "_pick", lambda op, impl, impls, cuda, why_not, plain=False, warn=True:
+                        ops.pick(op, impl, impls, True, lambda: None, plain, warn))
+
+
 def test_unchunked_switch_runs_torch_under_auto_even_where_the_kernel_would_run(monkeypatch):
-    """The memory plan's chunked-indexer switch off (chunk None) is the plain baseline: under
-    backend auto it runs the unchunked torch scoring also where auto picks the kernel (CUDA), so
-    the ablation measures what it says. Chunked, the same layer goes to the kernel."""
+    """The memory plan's chunked-indexer switch off (chunk None) is the plain baseline: under auto it
+    runs the unchunked torch scoring also where auto picks the kernel (CUDA), so the ablation measures
+    what it says. Chunked, the same layer goes to the kernel."""
     ind, x, ql = layer_problem(1, 30, 2, 8, 8, 4, seed=0)
     ref = ind.select(x, ql, chunk=None)
-    monkeypatch.setattr(ind, "_pick_backend", lambda device: "triton")  # what auto answers on CUDA
+    _as_if_on_cuda(monkeypatch)
 
     class KernelCalled(Exception):
         pass
@@ -421,64 +324,46 @@ def test_unchunked_switch_runs_torch_under_auto_even_where_the_kernel_would_run(
 
 def test_layer_backend_switch(monkeypatch):
     """auto on the CPU is torch; triton on the CPU without the interpreter and unknown names are
-    ConfigErrors; auto on CUDA without an importable kernel warns once and runs torch."""
+    ConfigErrors naming kernels.indexer; with the Triton path not importable, triton refuses, auto on
+    CUDA warns once and runs torch, auto on the CPU is silent."""
     import warnings
 
     from longctx.errors import ConfigError
     from longctx.layers import kpool_indexer as ki
 
     ind, x, ql = layer_problem(1, 30, 2, 8, 8, 4, seed=0)
-    assert ind.backend == "auto"
+    assert ind.kernels["indexer"] == "auto"
     ref = ind.select(x, ql)
     assert ind.last_impl == "indexer:torch-chunked"
     assert torch.equal(ind.select(x, ql, chunk=None), ref) and ind.last_impl == "indexer:torch-unchunked"
-    ind.backend = "torch"
+    ind.kernels["indexer"] = "torch"
     assert torch.equal(ind.select(x, ql), ref) and ind.last_impl == "indexer:torch-chunked"
-    ind.backend = "cuda"
-    with pytest.raises(ConfigError, match="indexer backend"):
+    ind.kernels["indexer"] = "cuda"
+    with pytest.raises(ConfigError, match="kernels.indexer must be one of auto, torch, triton"):
         ind.select(x, ql)
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        ind.backend, ind.last_impl = "triton", None
-        with pytest.raises(ConfigError, match="backend 'triton' needs CUDA"):
+        ind.kernels["indexer"], ind.last_impl = "triton", None
+        with pytest.raises(ConfigError, match="kernels.indexer = 'triton' cannot run here .*CUDA"):
             ind.select(x, ql)
         assert ind.last_impl is None
-    # no kernel importable: triton refuses, auto on CUDA warns once then runs torch, auto on CPU is silent
-    monkeypatch.setattr(ki.indexer_ops, "kpool_topk_triton", None)
+    monkeypatch.setattr(ki.indexer_ops, "unavailable", lambda device, cfg=None: "triton does not import: ImportError")
     monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
-    ind.backend = "triton"
-    with pytest.raises(ConfigError, match="not importable"):
-        ind._pick_backend(torch.device("cpu"))
-    ind.backend = "auto"
-    with pytest.warns(RuntimeWarning, match="indexer"):
-        assert ind._pick_backend(torch.device("cuda")) == "torch"
+    ind.kernels["indexer"] = "triton"
+    with pytest.raises(ConfigError, match="does not import"):
+        ind.pick(torch.device("cuda"))
+    ind.kernels["indexer"] = "auto"
+    with pytest.warns(RuntimeWarning, match="kernels.indexer auto runs the plain-torch twin on CUDA .*does not import"):
+        assert ind.pick(torch.device("cuda")) == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert ind._pick_backend(torch.device("cuda")) == "torch"
-        assert ind._pick_backend(torch.device("cpu")) == "torch"
-
-
-def test_model_set_backend_reaches_indexers():
-    from longctx.config import preset
-    from longctx.model import LongCtxModel
-
-    torch.manual_seed(0)
-    model = LongCtxModel(preset("tiny"))
-    indexers = [m.indexer for m in model.modules() if getattr(m, "indexer", None) is not None]
-    assert indexers and all(i.backend == "auto" for i in indexers)
-    model.set_backend("torch")
-    assert all(i.backend == "torch" for i in indexers)
-    model(torch.randint(0, 97, (1, 21)))
-    assert "indexer:torch-chunked" in model.impl_report(), model.impl_report()
-    model.set_backend("triton")
-    assert all(i.backend == "triton" for i in indexers)
-    model.set_backend("auto")
-    assert all(i.backend == "auto" for i in indexers)
+        assert ind.pick(torch.device("cuda")) == "torch"
+        assert ind.pick(torch.device("cpu")) == "torch"
 
 
 def test_kernel_rejects_unsupported():
     pytest.importorskip("triton")
-    from longctx.ops.indexer.fused import kpool_topk_triton
+    from longctx.ops.indexer.triton import kpool_topk_triton
 
     q, w, pk = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2), torch.zeros(1, 4, 16)
     bad = [
@@ -495,8 +380,6 @@ def test_kernel_rejects_unsupported():
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
         with pytest.raises(ValueError, match="needs CUDA"):
             kpool_topk_triton(q, w, pk, 2, 3)
-        with pytest.raises(ValueError, match="needs CUDA"):
-            select_pools(q, w, pk, 2, 3, backend="triton")
 
 
 # ------------------------------------------------------------------------------ torch twin (in-process)
@@ -512,7 +395,6 @@ def test_twin_matches_slow_reference(seed):
     ref = ref_select(q, w, pk, P, K, off)
     for chunk in (None, 1, 6):
         assert torch.equal(kpool_topk_torch(q, w, pk, P, K, chunk=chunk, q_offset=off), ref), chunk
-    assert torch.equal(select_pools(q, w, pk, P, K, backend="torch", chunk=6, q_offset=off), ref)
 
 
 def test_twin_edges():
@@ -520,8 +402,6 @@ def test_twin_edges():
     assert torch.equal(kpool_topk_torch(q, w, pk, 2, 0), torch.zeros(1, 6, 0, dtype=torch.int32))
     empty = kpool_topk_torch(q, w, pk[:, :0], 2, 3)
     assert empty.shape == (1, 6, 3) and bool((empty == -1).all())
-    with pytest.raises(ValueError, match="backend"):
-        select_pools(q, w, pk, 2, 3, backend="cuda")
     with pytest.raises(ValueError, match="kpool_topk_torch"):
         kpool_topk_torch(q, w[..., :1], pk, 2, 3)
 
@@ -550,7 +430,7 @@ def test_twin_reproduces_kpool_indexer_selection():
         pk = ind.pool_keys(k[:, :n], gate[:, :n])
         q = ind.wq_b(ql).view(B, S, H, D)
         w = ind.weights_proj(x).float() * (H**-0.5 * D**-0.5)
-    pools = select_pools(q, w, pk, P, ind.topk // P, backend="torch", chunk=10)
+    pools = kpool_topk_torch(q, w, pk, P, ind.topk // P, chunk=10)
     score = kpool_scores_torch(q, w, pk)
     for b, t in [(b, t) for b in range(B) for t in range(S) if (t + 1) // P > ind.topk // P]:
         row = score[b, t, : (t + 1) // P].sort(descending=True).values
@@ -573,8 +453,8 @@ if __name__ == "__main__":
 
 
 def test_indexer_benchmark_cpu_smoke(tmp_path):
-    """bench/indexer.py --cpu-smoke --probe (the kernel interpreted, the two-phase probe): every code path
-    the H200 run takes, at tiny sizes; a fresh process, since the interpreter must be on before triton loads."""
+    """bench/indexer.py --cpu-smoke --probe (the Triton path interpreted, its probe): every code path the H200
+    run takes, at tiny sizes; a fresh process, since the interpreter must be on before triton loads."""
     pytest.importorskip("triton")
     import subprocess
 
@@ -583,35 +463,8 @@ def test_indexer_benchmark_cpu_smoke(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "indexer_cpu_smoke.json").read_text())
-    assert [c["S"] for c in res["cases"]] == [48, 101] and all("ms" in c["kernel"] for c in res["cases"])
-    assert all(c[v]["rows_differ_from_kernel"] == 0 for c in res["cases"] for v in ("two_phase", "two_phase_radix"))
+    assert [c["S"] for c in res["cases"]] == [48, 101] and all("ms" in c["two_phase"] for c in res["cases"])
+    assert all(c["two_phase"]["check_vs_chunked"]["worst_rel_gap"] < 1e-5 for c in res["cases"])
     probe = res["two_phase_probe"]
     assert [p["S"] for p in probe] == [48, 101]
-    assert all(p["topk_ms"] > 0 and p["score_mm_ms"] > 0 and p["kth_radix_ms"] > 0 for p in probe)
-
-
-def test_model_plain_torch_sets_every_switch_and_restores_it():
-    """The GPU tests' fp32 references run inside `plain_torch()`: set_backend("torch") alone left mHC on
-    liger (auto) and the KDA conv on auto, so those references ran liger's TF32 projection."""
-    from longctx.config import preset
-    from longctx.layers.kda import KimiDeltaAttention
-    from longctx.layers.residual import MHC
-    from longctx.model import LongCtxModel
-
-    model = LongCtxModel(preset("tiny"))
-    model.set_impls(residual="liger", kda_conv="fla", loss="liger")
-    model.set_backend("triton")
-    switches = lambda: sorted((type(m).__name__, a, getattr(m, a)) for m in model.modules()  # noqa: E731
-                              for a in ("backend", "conv_impl", "impl") if hasattr(m, a)) + [model.loss_impl]
-    before = switches()
-    with model.plain_torch():
-        mhcs = [m for m in model.modules() if isinstance(m, MHC)]
-        kdas = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
-        assert mhcs and kdas and {m.impl for m in mhcs} == {"torch"} and {m.conv_impl for m in kdas} == {"torch"}
-        assert {v for _, a, v in switches()[:-1] if a == "backend"} == {"torch"} and model.loss_impl == "torch"
-        model(torch.randint(0, 97, (1, 21)))
-        assert "mhc:torch" in model.impl_report() and "indexer:torch-chunked" in model.impl_report()
-    assert switches() == before
-    with pytest.raises(RuntimeError), model.plain_torch():
-        raise RuntimeError("restored on error too")
-    assert switches() == before
+    assert all(p["topk_ms"] > 0 and p["score_mm_ms"] > 0 for p in probe)

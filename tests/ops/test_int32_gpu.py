@@ -1,8 +1,8 @@
 """Past 2^31 elements on the GPU: each kernel a whole-sequence step of h200-ref runs, on a tensor just past
 2^31 elements (what a 524,288-token step holds), with its last rows checked against the same op on those
-rows alone (a small call, far from any limit). Why: the 512k whole-sequence step stopped with an illegal
-memory access on the H200 (bench/NOTES.md, calls 41-42) after liger's int32 row offsets were fixed, and
-reading the kernels found nothing else; this names the one that fails. A failing kernel can leave the
+rows alone (a small call, far from any limit). Why: a kernel that addresses elements with int32 offsets
+reads and writes out of bounds past 2^31 elements, which shows only as an illegal memory access somewhere
+in a 512k whole-sequence step; this names the kernel that fails. A failing kernel can leave the
 CUDA context unusable, so the tests run in pipeline order (torch's matmuls, then ours, then liger's and
 fla's) and the first failure is the one to read. Each needs ~10-20 GB of GPU memory. Skipped without CUDA."""
 
@@ -58,7 +58,7 @@ def test_dsa_absorption_einsum_past_int32():
 
 def test_fused_swiglu_past_int32():
     """Our packed SwiGLU on the dense MLP's [gate | up], forward and backward."""
-    from longctx.layers.mlp import _ClampedSwiGLUPacked
+    from longctx.ops.swiglu.naive import ClampedSwiGLUPacked
     from longctx.ops.swiglu.triton import clamped_swiglu_packed_triton
 
     R = _rows_past(8192)
@@ -68,14 +68,14 @@ def test_fused_swiglu_past_int32():
     (dh,) = torch.autograd.grad(y, h, dy)
     torch.cuda.synchronize()
     hs = _ends(h.detach()).requires_grad_(True)
-    ys = _ClampedSwiGLUPacked.apply(hs, 7.0)
+    ys = ClampedSwiGLUPacked.apply(hs, 7.0)
     (dhs,) = torch.autograd.grad(ys, hs, _ends(dy))
     assert _rel(_ends(y), ys) <= 1e-3 and _rel(_ends(dh), dhs) <= 1e-3
 
 
 def test_fused_rms_norm_past_int32():
     """Our RMSNorm on rows of 1536, forward and backward (the input gradient's last rows)."""
-    from longctx.layers.norms import _RMSNormFn
+    from longctx.ops.rms_norm.naive import RMSNormFn
     from longctx.ops.rms_norm.triton import rms_norm_triton
 
     R = _rows_past(1536)
@@ -86,7 +86,7 @@ def test_fused_rms_norm_past_int32():
     dx, _ = torch.autograd.grad(y, (x, w), dy)
     torch.cuda.synchronize()
     xs = _ends(x.detach()).requires_grad_(True)
-    ys = _RMSNormFn.apply(xs, w.detach(), 1e-5)
+    ys = RMSNormFn.apply(xs, w.detach(), 1e-5)
     (dxs,) = torch.autograd.grad(ys, xs, _ends(dy))
     assert _rel(_ends(y), ys) <= 1e-3 and _rel(_ends(dx), dxs) <= 1e-3
 
@@ -95,8 +95,8 @@ def test_fused_rms_norm_past_int32():
 def test_sparse_attention_past_int32(case):
     """Our DSA kernel with queries [S, 16, 512] past 2^31 elements. Token-major (contiguous) just past it; and
     head-major at S = 524,288 (2^32 elements), the layout torch's einsum hands the DSA layer (head stride S x
-    512, so (H - 1) x head stride passes 2^31 from 279,621 tokens: the 512k whole-sequence step's backward
-    fault, call 46, fixed by int64 head offsets), through the regular Function and the kept-output path the
+    512, so (H - 1) x head stride passes 2^31 from 279,621 tokens, which the kernels' int64 head offsets
+    cover), through the regular Function and the kept-output path the
     block recompute runs (`reuse_attention`): the last queries' output and dq against the kernel on those
     queries alone (same kv and indices, contiguous)."""
     from test_sparse_attention_gpu import causal_pool_indices

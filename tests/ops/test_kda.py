@@ -190,18 +190,18 @@ def test_layer_backward_and_backend_choice():
     ours(x).square().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ours.parameters())
     assert x.grad.abs().sum() > 0
-    ours.backend = "fla"
-    with pytest.raises(ConfigError, match="fla"):
+    ours.kernels["kda"] = "fla"
+    with pytest.raises(ConfigError, match="kernels.kda = 'fla' cannot run here .*CUDA"):
         ours(x)
-    ours.backend = "bogus"
-    with pytest.raises(ConfigError, match="bogus"):
+    ours.kernels["kda"] = "bogus"
+    with pytest.raises(ConfigError, match="kernels.kda must be one of auto, torch, fla .got 'bogus'"):
         ours(x)
 
 
 def test_twin_computes_in_fp32_under_autocast():
     """The docstring's promise under bf16 autocast (the training and decode paths of the CPU and of the
-    CUDA fallback): the same result as with autocast off, not bf16 matmuls; before the fix the state
-    was rounded to bf16 between chunks (~1e-3 apart)."""
+    CUDA fallback): the same result as with autocast off, not bf16 matmuls, which would round the state
+    to bf16 between chunks (~1e-3 apart)."""
     from longctx.ops.kda import kda_step
 
     q, k, v, g, beta, S0 = (x.float() for x in _inputs(1, 100, 2, 16, 16))
@@ -217,42 +217,60 @@ def test_twin_computes_in_fp32_under_autocast():
     assert torch.allclose(got_rec[0], ref[0][:, :5], rtol=1e-4, atol=1e-4)
 
 
-def test_conv_impl_rules():
-    """conv_impl fla needs CUDA and fla (one sentence naming the fix), with or without a decoding state;
-    an unknown value names the choices."""
-    from longctx.errors import ConfigError
-
+def test_conv_setting_rules():
+    """kernels.kda_conv fla needs CUDA and fla (one sentence naming the setting and the fix), with or without
+    a decoding state; an unknown value names the choices."""
     layer = KimiDeltaAttention(_cfg(), 0)
     x = torch.randn(1, 9, layer.hidden_size)
-    assert layer.conv_impl == "auto"
+    assert layer.kernels["kda_conv"] == "auto"
     layer(x)
     assert layer.last_impl == "kda:torch-chunk"  # auto on the CPU: the torch conv, no suffix (nothing asked for was declined)
-    layer.conv_impl = "fla"
-    with pytest.raises(ConfigError, match="KDA conv 'fla' .* needs CUDA tensors and fla-core.*set kda_conv to 'auto' or 'torch'"):
+    layer.kernels["kda_conv"] = "fla"
+    with pytest.raises(ConfigError, match="kernels.kda_conv = 'fla' cannot run here .*CUDA.*set kernels.kda_conv to 'auto' or 'torch'"):
         layer(x)
-    with torch.no_grad(), pytest.raises(ConfigError, match="KDA conv 'fla' .* needs CUDA tensors"):
+    with torch.no_grad(), pytest.raises(ConfigError, match="kernels.kda_conv = 'fla' cannot run here .*CUDA"):
         layer(x, layer.init_state(1))
-    layer.conv_impl = "cuda"
-    with pytest.raises(ConfigError, match="conv_impl must be one of auto, torch, fla"):
+    layer.kernels["kda_conv"] = "cuda"
+    with pytest.raises(ConfigError, match="kernels.kda_conv must be one of auto, torch, fla"):
         layer(x)
 
 
-def test_norm_impl_rules():
-    """norm_impl fla (fla's fused gated norm) needs CUDA and fla: one sentence naming the fix; auto is
-    ours where KDA runs the torch twin (the CPU); an unknown value names the choices."""
-    from longctx.errors import ConfigError
-
+def test_norm_setting_rules():
+    """kernels.kda_norm fla (fla's fused gated norm) needs CUDA and fla: one sentence naming the setting and
+    the fix; auto is ours on the CPU; an unknown value names the choices."""
     layer = KimiDeltaAttention(_cfg(), 0)
     x = torch.randn(1, 9, layer.hidden_size)
-    assert layer.norm_impl == "auto"
+    assert layer.kernels["kda_norm"] == "auto"
     layer(x)
     assert layer.last_impl == "kda:torch-chunk"
-    layer.norm_impl = "fla"
-    with pytest.raises(ConfigError, match="KDA norm 'fla' .* needs CUDA tensors and fla-core.*set kda_norm to 'auto' or 'torch'"):
+    layer.kernels["kda_norm"] = "fla"
+    with pytest.raises(ConfigError, match="kernels.kda_norm = 'fla' cannot run here .*CUDA.*set kernels.kda_norm to 'auto' or 'torch'"):
         layer(x)
-    layer.norm_impl = "triton"
-    with pytest.raises(ConfigError, match="norm_impl must be one of auto, torch, fla"):
+    layer.kernels["kda_norm"] = "triton"
+    with pytest.raises(ConfigError, match="kernels.kda_norm must be one of auto, torch, fla"):
         layer(x)
+
+
+def test_conv_and_norm_twins_are_the_layers_maths():
+    """ops.kda.causal_conv1d (with and without a window, and across packed documents) and gated_rms_norm
+    are the functions the layer runs: the window continues the sequence exactly, and the gated norm of
+    fp64 inputs stays in fp64."""
+    from longctx.ops.kda import causal_conv1d, gated_rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 11, 6, generator=g, dtype=F64), torch.randn(6, 4, generator=g, dtype=F64)
+    full = causal_conv1d(x, w)
+    y1, win = causal_conv1d(x[:, :5], w, window=torch.zeros(2, 6, 3, dtype=F64))
+    y2, _ = causal_conv1d(x[:, 5:], w, window=win)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), full, rtol=1e-12, atol=1e-12)
+    cu = torch.tensor([0, 4, 11])
+    packed = causal_conv1d(x[:1], w, cu_seqlens=cu)
+    torch.testing.assert_close(packed, torch.cat([causal_conv1d(x[:1, :4], w), causal_conv1d(x[:1, 4:], w)], 1))
+    o, gate = torch.randn(2, 3, 8, generator=g, dtype=F64), torch.randn(2, 3, 8, generator=g, dtype=F64)
+    ref = o / (o.square().mean(-1, keepdim=True) + 1e-6).sqrt() * torch.sigmoid(gate) * 2.0
+    got = gated_rms_norm(o, gate, torch.full((8,), 2.0, dtype=F64), 1e-6)
+    assert got.dtype == F64
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("user", [None, "0", "1"])

@@ -93,7 +93,11 @@ def test_fla_recurrent_matches_torch(lower_bound):
 
 
 def test_layer_auto_picks_fla_and_matches_torch():
+    """auto on CUDA runs fla's chunk kernel, conv and gated norm (the step log names all three), within the
+    layer tolerance of the torch twins; decoding runs fla's recurrent kernel with the state's conv window
+    through fla's conv."""
     from longctx.config import preset
+    from longctx.kernels import plain_torch
     from longctx.layers.kda import KimiDeltaAttention
 
     cfg = preset("small")
@@ -104,28 +108,22 @@ def test_layer_auto_picks_fla_and_matches_torch():
                 p.normal_(0, 0.05)
     x = torch.randn(2, 333, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     y = layer(x)
-    assert layer.last_impl == "kda:fla-chunk+fla-conv"  # conv_impl auto: fla's conv where the kernel is fla's
-    layer.backend = "torch"
-    y_ref = layer(x)
-    assert layer.last_impl == "kda:torch-chunk"
+    assert layer.last_impl == "kda:fla-chunk+fla-conv+fla-norm"
+    with plain_torch(layer):
+        y_ref = layer(x)
+        assert layer.last_impl == "kda:torch-chunk"
     assert rel_rms(y, y_ref) <= LAYER_TOL
-    layer.conv_impl = "torch"
-    y_torch_conv = layer(x)
-    assert layer.last_impl == "kda:torch-chunk"
-    assert torch.equal(y_torch_conv, y_ref)
-    layer.conv_impl = "auto"
-    layer.backend = "auto"
     with torch.no_grad():  # decoding: prefill, then a step through fused_recurrent_kda
         st = layer.init_state(2, x.device, x.dtype)
         parts = [layer(x[:, :300], st), layer(x[:, 300:301], st)]
-        assert layer.last_impl == "kda:fla-recurrent+fla-conv"  # the state's window through fla's conv
+        assert layer.last_impl == "kda:fla-recurrent+fla-conv+fla-norm"  # the state's window through fla's conv
         parts.append(layer(x[:, 301:], st))
     assert rel_rms(torch.cat(parts, 1), y_ref) <= LAYER_TOL
 
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_layer_fla_conv_matches_torch_conv(packed):
-    """conv_impl fla (fla's causal_conv1d, SiLU fused) against the torch conv, fresh random inputs, a
+    """kernels.kda_conv fla (fla's causal_conv1d, SiLU fused) against the torch conv, fresh random inputs, a
     length that is no multiple of any tile: the conv alone (`_short_conv`, bf16, output and the input's
     and weights' gradients) and inside the layer under autocast (KDA through the torch twin in both runs,
     so that only the conv differs; every parameter's gradient); packed: three documents whose taps must
@@ -135,7 +133,7 @@ def test_layer_fla_conv_matches_torch_conv(packed):
 
     torch.manual_seed(11 + packed)
     layer = KimiDeltaAttention(preset("small"), 0).cuda()
-    layer.backend = "torch"
+    layer.kernels.update(kda="torch", kda_norm="torch")
     T = 777
     B = 1 if packed else 2
     cu = torch.tensor([0, 200, 517, T], device="cuda") if packed else None
@@ -145,7 +143,7 @@ def test_layer_fla_conv_matches_torch_conv(packed):
     for use_fla in (False, True):
         layer.zero_grad(set_to_none=True)
         xi = xc.clone().requires_grad_(True)
-        y = layer._short_conv(xi, None, cu, conv_fla=use_fla)
+        y = layer._short_conv(xi, None, cu, fla=use_fla)
         (y.float() * torch.linspace(-1, 1, y.shape[-1], device="cuda")).square().mean().backward()
         op[use_fla] = (y.detach().float(), xi.grad.float(), [w.grad.clone() for w in convs])
     assert rel_rms(op[True][0], op[False][0]) <= OUT_TOL
@@ -156,7 +154,7 @@ def test_layer_fla_conv_matches_torch_conv(packed):
     x = torch.randn(B, T, layer.hidden_size, device="cuda")
     runs = {}
     for impl in ("torch", "fla"):
-        layer.conv_impl = impl
+        layer.kernels["kda_conv"] = impl
         layer.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -175,7 +173,7 @@ def test_layer_fla_conv_matches_torch_conv(packed):
 
 @pytest.mark.parametrize("T", [1, 2, 777])
 def test_fla_conv_with_a_window_matches_torch_conv(T):
-    """conv_impl fla with a state (decoding; the sequence-chunked step's carries): the window goes into
+    """kernels.kda_conv fla with a state (decoding; the sequence-chunked step's carries): the window goes into
     fla's conv as its initial state and the new one comes back as its final state. Against the torch
     conv with the same window: the output (op tolerance), the new window (the same inputs, exactly),
     and the gradients of x, the conv weights and the old window, with a loss on the output and on
@@ -196,7 +194,7 @@ def test_fla_conv_with_a_window_matches_torch_conv(T):
         layer.zero_grad(set_to_none=True)
         xi, w0 = xc.clone().requires_grad_(True), win.clone().requires_grad_(True)
         st = KDAState(conv=w0, recurrent=torch.zeros(1, device="cuda"))
-        y = layer._short_conv(xi, st, None, conv_fla=use_fla)
+        y = layer._short_conv(xi, st, None, fla=use_fla)
         ((y.float() * wy).square().mean() + (st.conv.float() * ww).sum() * 1e-3).backward()
         runs[use_fla] = (y.detach().float(), st.conv.detach().float(), xi.grad.float(), w0.grad.float(),
                          [p.grad.clone() for p in convs])
@@ -210,13 +208,13 @@ def test_fla_conv_with_a_window_matches_torch_conv(T):
 
 @pytest.mark.parametrize("T", [1, 777])
 def test_fla_gated_norm_matches_ours_and_keeps_less(T):
-    """norm_impl fla (fla's fused gated RMSNorm, sigmoid gate) against layers.norms.GatedRMSNorm on the
+    """kernels.kda_norm fla (fla's fused gated RMSNorm, sigmoid gate) against layers.norms.GatedRMSNorm on the
     same bf16 inputs: output (op tolerance) and the gradients of the input, the gate and the weight;
     fresh random inputs, 12 heads of 128 (h200-ref), T no multiple of any tile. And what each keeps
     for backward (the saved-tensor meter): per token 4 x HK x 4 (+ 48) = 24,624 bytes for ours (fp32
     input, normalised input, weighted product, sigmoid(gate)) against HK x 2 x 2 + H x 4 = 6,192 for
-    fla's (x, the gate, one fp32 rstd per row): both measured on the H200 (call 23), where the count
-    written before the run had said 27,648 for ours (it added the bf16 output, which is the next op's)."""
+    fla's (x, the gate, one fp32 rstd per row), both as counted here. The bf16 output is not counted:
+    the next op keeps it."""
     from longctx.layers.norms import GatedRMSNorm
     from longctx.measure.meter import SavedTensorMeter
     from longctx.ops.kda import fla_gated_rms_norm
@@ -248,7 +246,7 @@ def test_fla_gated_norm_matches_ours_and_keeps_less(T):
 
 
 def test_layer_fla_norm_matches_ours():
-    """The layer with norm_impl fla against norm_impl torch (the rest on fla, bf16): output and every
+    """The layer with kernels.kda_norm fla against torch (the rest on fla, bf16): output and every
     parameter's gradient within the layer tolerance; the step log names it."""
     from longctx.config import preset
     from longctx.layers.kda import KimiDeltaAttention
@@ -258,7 +256,7 @@ def test_layer_fla_norm_matches_ours():
     x = torch.randn(2, 777, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
     out = {}
     for impl in ("torch", "fla"):
-        layer.norm_impl = impl
+        layer.kernels["kda_norm"] = impl
         layer.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
         y = layer(xi)

@@ -1,6 +1,6 @@
-"""The loss_impl / residual_impl switches on the CPU: auto runs torch, liger refuses with a ConfigError,
-the liger wrappers' argument checks. (The liger-vs-torch comparisons are the GPU tests
-test_gpu_fused_loss.py and test_gpu_mhc.py.)"""
+"""The kernels.loss / kernels.mhc settings on the CPU: auto runs torch, liger refuses with a ConfigError,
+auto on CUDA without liger warns and runs torch, the liger wrappers' argument checks. (The liger-vs-torch
+comparisons are the GPU tests tests/ops/test_loss_gpu.py and tests/ops/test_mhc_gpu.py.)"""
 
 from __future__ import annotations
 
@@ -15,8 +15,18 @@ from longctx.config import preset
 from longctx.errors import ConfigError
 from longctx.layers.residual import MHC
 from longctx.model import LongCtxModel
+from longctx.ops import loss as loss_ops
 from longctx.ops.loss import liger as fused_loss
 from longctx.ops.mhc import liger as mhc_liger
+
+FAKE_CUDA = types.SimpleNamespace(is_cuda=True, device="cuda:0")
+
+
+def _cuda_without(monkeypatch, module):
+    """A CUDA machine (as the rule sees it) where `module`'s liger ops do not import."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(module, "import_error", lambda: "ImportError: no module named liger_kernel")
+    monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
 
 
 def _tiny(**kw):
@@ -32,16 +42,16 @@ def _batch():
     return ids[:, :-1], labels
 
 
-# ------------------------------------------------------------------------------------ loss_impl
+# ------------------------------------------------------------------------------------ kernels.loss
 def test_auto_on_cpu_runs_the_torch_chunked_head_and_matches_torch():
     model = _tiny()
     model.loss_chunk = 16
     ids, labels = _batch()
-    assert model.loss_impl == "auto"
+    assert model.kernels["loss"] == "auto"
     auto = model(ids, labels=labels, token_losses=True)
     assert model.last_impl == "loss:torch-chunked"
     assert "loss:torch-chunked x1" in model.impl_report()
-    model.loss_impl = "torch"
+    model.kernels["loss"] = "torch"
     ref = model(ids, labels=labels, token_losses=True)
     assert torch.equal(auto.token_losses, ref.token_losses) and torch.equal(auto.lm_loss, ref.lm_loss)
     assert (auto.token_losses[0, :5] == 0).all()
@@ -52,36 +62,36 @@ def test_auto_on_cpu_runs_the_torch_chunked_head_and_matches_torch():
 
 def test_liger_on_cpu_raises_config_error_naming_setting_and_fix():
     model = _tiny()
-    model.loss_impl = "liger"
+    model.kernels["loss"] = "liger"
     ids, labels = _batch()
-    with pytest.raises(ConfigError, match=r"loss_impl 'liger' needs CUDA.*set loss_impl to 'auto' or 'torch'"):
+    with pytest.raises(ConfigError, match=r"kernels.loss = 'liger' cannot run here .*CUDA.*set kernels.loss to 'auto' "
+                                          "or 'torch'"):
         model(ids, labels=labels)
 
 
 def test_unknown_loss_impl_raises():
     model = _tiny()
-    model.loss_impl = "fused"
+    model.kernels["loss"] = "fused"
     ids, labels = _batch()
-    with pytest.raises(ConfigError, match="loss_impl must be one of auto, torch, liger"):
+    with pytest.raises(ConfigError, match="kernels.loss must be one of auto, torch, liger"):
         model(ids, labels=labels)
 
 
 def test_auto_on_cuda_without_liger_warns_once_and_runs_torch(monkeypatch):
-    fake_cuda = types.SimpleNamespace(is_cuda=True, device="cuda:0")
-    monkeypatch.setattr(fused_loss, "liger_available", lambda: False)
-    monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
-    with pytest.warns(RuntimeWarning, match="liger-kernel is not importable"):
-        assert fused_loss.resolve_loss_impl("auto", fake_cuda) == "torch"
+    _cuda_without(monkeypatch, fused_loss)
+    with pytest.warns(RuntimeWarning, match="kernels.loss auto runs the plain-torch twin on CUDA .*liger-kernel.*does "
+                                            "not import"):
+        assert loss_ops.pick("auto", FAKE_CUDA) == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert fused_loss.resolve_loss_impl("auto", fake_cuda) == "torch"  # once only
-    with pytest.raises(ConfigError, match="loss_impl .liger."):
-        fused_loss.resolve_loss_impl("liger", fake_cuda)
+        assert loss_ops.pick("auto", FAKE_CUDA) == "torch"  # once only
+    with pytest.raises(ConfigError, match="kernels.loss = 'liger' cannot run here .*does not import"):
+        loss_ops.pick("liger", FAKE_CUDA)
     # loss_chunk off (the baseline plan) keeps auto on the plain head, liger or not
-    monkeypatch.setattr(fused_loss, "liger_available", lambda: True)
-    assert fused_loss.resolve_loss_impl("auto", fake_cuda, chunked=False) == "torch"
-    assert fused_loss.resolve_loss_impl("auto", fake_cuda) == "liger"
-    assert fused_loss.resolve_loss_impl("torch", fake_cuda) == "torch"
+    monkeypatch.setattr(fused_loss, "import_error", lambda: None)
+    assert loss_ops.pick("auto", FAKE_CUDA, chunked=False) == "torch"
+    assert loss_ops.pick("auto", FAKE_CUDA) == "liger"
+    assert loss_ops.pick("torch", FAKE_CUDA) == "torch"
 
 
 def test_loss_wrapper_argument_checks():
@@ -123,7 +133,7 @@ def test_liger_import_error_names_the_cause(monkeypatch):
     assert fused_loss.liger_import_error(lambda: None, "x") is None
 
 
-# -------------------------------------------------------------------------------- residual_impl
+# -------------------------------------------------------------------------------- kernels.mhc
 def test_mhc_auto_on_cpu_is_torch_and_liger_raises():
     model = _tiny()
     ids, labels = _batch()
@@ -132,39 +142,42 @@ def test_mhc_auto_on_cpu_is_torch_and_liger_raises():
     assert mhcs and {m.last_impl for m in mhcs} == {"mhc:torch"}
     assert f"mhc:torch x{len(mhcs)}" in model.impl_report()
     for m in mhcs:
-        m.impl = "liger"
-    with pytest.raises(ConfigError, match=r"residual_impl 'liger' needs CUDA.*set residual_impl to 'auto' or 'torch'"):
+        m.kernels["mhc"] = "liger"
+    with pytest.raises(ConfigError, match=r"kernels.mhc = 'liger' cannot run here .*CUDA.*set kernels.mhc to 'auto' "
+                                          "or 'torch'"):
         model(ids, labels=labels)
     for m in mhcs:
-        m.impl = "nope"
-    with pytest.raises(ConfigError, match="residual_impl must be one of auto, torch, liger"):
+        m.kernels["mhc"] = "nope"
+    with pytest.raises(ConfigError, match="kernels.mhc must be one of auto, torch, liger"):
         model(ids, labels=labels)
 
 
-def test_mhc_pick_impl_rules(monkeypatch):
-    from longctx.layers import residual
-
+def test_mhc_pick_rules(monkeypatch):
+    """auto on CUDA: liger where it imports and the streams suit its kernels and the plan casts in backward
+    (recompute_cast), else torch, with a warning where it was a fast path declined; liger asked for where
+    it cannot run is a ConfigError."""
     mhc = MHC(preset("tiny"))
-    fake_cuda = types.SimpleNamespace(is_cuda=True, device="cuda:0")
-    monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
-    assert residual.AUTO_USES_LIGER is True  # auto takes liger on CUDA since tests/ops/test_mhc_gpu.py held on the H200
-    monkeypatch.setattr(residual, "AUTO_USES_LIGER", False)
-    assert mhc.pick_impl(fake_cuda) == "torch"
-    monkeypatch.setattr(residual, "AUTO_USES_LIGER", True)
-    monkeypatch.setattr(mhc_liger, "liger_mhc_available", lambda: False)
-    with pytest.warns(RuntimeWarning, match="liger-kernel is not importable"):
-        assert mhc.pick_impl(fake_cuda) == "torch"
-    monkeypatch.setattr(mhc_liger, "liger_mhc_available", lambda: True)
-    assert mhc.pick_impl(fake_cuda) == "liger"
+    _cuda_without(monkeypatch, mhc_liger)
+    with pytest.warns(RuntimeWarning, match="kernels.mhc auto runs the plain-torch twin on CUDA .*does not import"):
+        assert mhc.pick(FAKE_CUDA) == "torch"
+    monkeypatch.setattr(mhc_liger, "import_error", lambda: None)
+    assert mhc.pick(FAKE_CUDA) == "liger"
     mhc.recompute_cast = False  # the baseline plan: auto stays plain torch
-    assert mhc.pick_impl(fake_cuda) == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mhc.pick(FAKE_CUDA) == "torch"
     mhc.recompute_cast = True
-    mhc.n = 3
-    with pytest.warns(RuntimeWarning, match="power-of-two hc_streams"):
-        assert mhc.pick_impl(fake_cuda) == "torch"
-    mhc.impl = "liger"
-    with pytest.raises(ConfigError, match="hc_streams a power of two"):
-        mhc.pick_impl(fake_cuda)
+    mhc.cfg = preset("tiny").replace(hc_streams=3)
+    with pytest.warns(RuntimeWarning, match="power of two <= 16, not 3"):
+        assert mhc.pick(FAKE_CUDA) == "torch"
+    mhc.kernels["mhc"] = "liger"
+    with pytest.raises(ConfigError, match="kernels.mhc = 'liger' cannot run here .*hc_streams a power of two"):
+        mhc.pick(FAKE_CUDA)
+
+
+def test_mhc_projection_rule():
+    """Our coefficient projection for up to 8 streams (its tiles fit the SM's shared memory), liger's beyond."""
+    assert [mhc_liger.projection(n) for n in (1, 2, 4, 8, 16)] == ["triton"] * 4 + ["liger"]
 
 
 def test_mhc_wrapper_argument_checks():

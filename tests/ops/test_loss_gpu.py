@@ -1,4 +1,4 @@
-"""liger's fused linear + cross entropy (loss_impl "liger") against our chunked torch head (loss_impl
+"""liger's fused linear + cross entropy (kernels.loss "liger") against our chunked torch head (kernels.loss
 "torch"), on CUDA in bf16 at the h200-ref head (hidden 1536, vocab 32768): per-token losses, and the
 gradients wrt the hidden states and the head weight, by relative RMS error (outputs <= 5e-3, grads
 <= 2e-2), fresh random inputs with ignore_index -100 rows. Both sides run the model's own
@@ -34,14 +34,13 @@ class Head(nn.Module):
     """Just the model's LM head + loss (the real `chunked_token_losses`, not a copy)."""
 
     chunked_token_losses = LongCtxModel.chunked_token_losses
-    _ce = staticmethod(LongCtxModel._ce)
 
     def __init__(self, weight: torch.Tensor, impl: str, loss_chunk: int | None = 4096):
         super().__init__()
         self.lm_head = nn.Linear(D, V, bias=False, device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             self.lm_head.weight.copy_(weight)
-        self.loss_impl, self.loss_chunk, self.last_impl = impl, loss_chunk, None
+        self.kernels, self.loss_chunk, self.last_impl = {"loss": impl}, loss_chunk, None
 
 
 def _inputs(rows: int, seed: int, w_dtype: torch.dtype):
@@ -104,26 +103,30 @@ def test_rows_per_call_split_matches_one_call_and_sum_form():
 
 
 def test_model_auto_on_cuda_runs_liger_and_loss_chunk_off_runs_torch():
+    import dataclasses
+
     from longctx.config import preset
+    from longctx.config.kernels import KernelConfig
+    from longctx.kernels import apply_kernels
 
     torch.manual_seed(0)
     model = LongCtxModel(preset("tiny")).cuda()
-    model.set_backend("torch")
+    apply_kernels(model, dataclasses.replace(KernelConfig.every("torch"), loss="auto"))
     ids = torch.randint(0, 97, (1, 65), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = model(ids[:, :-1], labels=ids[:, 1:], token_losses=True)
         assert model.last_impl == "loss:liger-flce" and "loss:liger-flce x1" in model.impl_report()
-        model.loss_impl = "torch"
+        model.kernels["loss"] = "torch"
         ref = model(ids[:, :-1], labels=ids[:, 1:], token_losses=True)
-        model.loss_impl, model.loss_chunk = "auto", None
+        model.kernels["loss"], model.loss_chunk = "auto", None
         model(ids[:, :-1], labels=ids[:, 1:])
         assert model.last_impl == "loss:torch"  # loss_chunk off: the baseline's materialised logits
     assert rel_rms(out.token_losses, ref.token_losses) <= OUT_TOL
 
 
-# What resolve_loss_impl says for CPU hidden states. (A first version expected "model.loss_impl ...",
-# which the message never contained; tests/test_step_drift_gpu.py checks this pattern on the CPU.)
-CPU_REFUSAL = "loss_impl 'liger' needs CUDA tensors"
+# What kernels.loss 'liger' says for CPU hidden states (tests/test_step_drift_gpu.py checks this pattern against
+# the message on the CPU, so a GPU run cannot fail on the test's own pattern).
+CPU_REFUSAL = r"kernels.loss = 'liger' cannot run here \(it runs on CUDA tensors"
 
 
 def test_liger_refuses_cpu_tensors_and_bad_labels():

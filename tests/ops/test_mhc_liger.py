@@ -1,5 +1,5 @@
-"""liger's mHC kernels address rows with int32 offsets (call 41: an illegal memory access at 524,288
-tokens of h200-ref). `longctx.ops.mhc.liger` hands every launch at most `launch_rows` tokens; here with
+"""liger's mHC kernels address rows with int32 offsets (past 2^31 elements, 349,525 tokens of h200-ref,
+they read and write outside their tensors). `longctx.ops.mhc.liger` hands every launch at most `launch_rows` tokens; here with
 liger replaced by plain-torch stand-ins that record how many tokens each call got (no liger, no GPU), and
 the limit lowered so that a few tokens already need several pieces: the same outputs and gradients as
 one call, and no call over the limit, for the coefficients and both stream ops, chunked and not."""
@@ -68,9 +68,9 @@ def _fake_liger(monkeypatch) -> list:
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(mhc_liger, "_import_error", lambda: None)
     monkeypatch.setattr(mhc_liger, "check_mhc_args", lambda *a: None)  # it wants CUDA tensors
-    # the coefficients through liger's whole Function (the stand-in above), not our projection (the default),
-    # whose Triton kernels these CPU tensors cannot run
-    monkeypatch.setattr(mhc_liger, "PROJECTION", "liger")
+    # the coefficients through liger's whole Function (the stand-in above), as for streams wider than our
+    # projection takes, not our projection, whose Triton kernels these CPU tensors cannot run
+    monkeypatch.setattr(mhc_liger, "PROJECT_MAX_STREAMS", 0)
     return calls
 
 

@@ -1,5 +1,5 @@
 """mHC's coefficient projection in Triton (longctx/ops/mhc/triton.py) against its plain-torch twin
-(`layers.residual`'s RMSNorm-then-linear in fp32) under the Triton interpreter on the CPU: mix, grad x and
+(`naive.mhc_project`, RMSNorm-then-linear in fp32) under the Triton interpreter on the CPU: mix, grad x and
 grad fn, fp32 and bf16 streams, row counts and widths that are not multiples of the blocks, more than one
 row group in the backward, M below 16. Run as a script under TRITON_INTERPRET=1 it prints a RESULT line
 per case (tests/triton_interpreter.py)."""
@@ -23,7 +23,7 @@ CASES = [  # name, rows N, n streams, D hidden, dtype
 
 def compare(name, N, n, D, dtype, device="cpu", seed=0):
     """{mix, dx, dfn: rel-RMS} of the kernels against the twin (tests/ops/test_mhc_projection_gpu.py runs it on CUDA)."""
-    from longctx.layers.residual import _rms
+    from longctx.ops.mhc import mhc_project
     from longctx.ops.mhc.triton import mhc_project_triton
 
     g = torch.Generator().manual_seed(seed)
@@ -32,7 +32,7 @@ def compare(name, N, n, D, dtype, device="cpu", seed=0):
     fn0 = (torch.randn(M, K, generator=g) * 0.05).to(device)
     dmix = torch.randn(N, M, generator=g).to(device)
     out = {}
-    for tag, op in (("ref", lambda x, fn: torch.nn.functional.linear(_rms(x.float(), EPS), fn)),
+    for tag, op in (("ref", lambda x, fn: mhc_project(x.unflatten(-1, (n, D)), fn, EPS)),
                     ("tri", lambda x, fn: mhc_project_triton(x, fn, EPS))):
         x, fn = x0.clone().requires_grad_(True), fn0.clone().requires_grad_(True)
         mix = op(x, fn)
@@ -46,8 +46,9 @@ def compare(name, N, n, D, dtype, device="cpu", seed=0):
 
 
 def compare_coefficients(name, B, S, n, D):
-    """mhc_liger.liger_mhc_coefficients with PROJECTION "triton" (ours + liger's Sinkhorn) against "liger"
-    (liger's Function): pre, post, comb and the gradients of streams, fn, base and scale (fp32 streams)."""
+    """mhc_liger.liger_mhc_coefficients through our projection (+ liger's Sinkhorn) against liger's whole
+    Function (what streams wider than ours takes run): pre, post, comb and the gradients of streams, fn, base
+    and scale (fp32 streams)."""
     import dataclasses
 
     from longctx.config import preset
@@ -62,16 +63,16 @@ def compare_coefficients(name, B, S, n, D):
     g = torch.Generator().manual_seed(1)
     x0 = torch.randn(B, S, n, D, generator=g)
     gs = [torch.randn(B, S, n, generator=g), torch.randn(B, S, n, generator=g), torch.randn(B, S, n, n, generator=g)]
-    out, before = {}, mhc_liger.PROJECTION
+    out, before = {}, mhc_liger.PROJECT_MAX_STREAMS
     for proj in ("liger", "triton"):
-        mhc_liger.PROJECTION = proj
+        mhc_liger.PROJECT_MAX_STREAMS = before if proj == "triton" else 0
         mhc.zero_grad(set_to_none=True)
         x = x0.clone().requires_grad_(True)
         got = mhc_liger.liger_mhc_coefficients(x, mhc.fn, mhc.base, mhc.scale, iters=mhc.iters, hc_eps=mhc.hc_eps,
                                                norm_eps=mhc.norm_eps)
         sum((t * w).sum() for t, w in zip(got, gs)).backward()
         out[proj] = [t.detach() for t in got] + [x.grad, mhc.fn.grad, mhc.base.grad, mhc.scale.grad]
-    mhc_liger.PROJECTION = before
+    mhc_liger.PROJECT_MAX_STREAMS = before
     names = ("pre", "post", "comb", "d_streams", "d_fn", "d_base", "d_scale")
     return {w: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
             for w, a, b in zip(names, out["triton"], out["liger"])}
@@ -100,7 +101,7 @@ def _liger_here() -> bool:
 
 
 def test_coefficients_with_our_projection_equal_ligers_under_the_interpreter():
-    """PROJECTION = "triton": the coefficient Function with our projection computes what liger's does
+    """The coefficient Function with our projection computes what liger's does
     (the same Sinkhorn kernels; the projection's products in another order): fp32 streams, every output and
     gradient within 1e-5. Needs liger-kernel (the CPU CI has none: skipped there)."""
     if not _liger_here():
@@ -113,19 +114,13 @@ def test_coefficients_with_our_projection_equal_ligers_under_the_interpreter():
         assert all(v <= 1e-5 for k, v in r.items() if k != "name"), r
 
 
-def test_wider_streams_run_ligers_projection_and_say_so(monkeypatch):
-    """Our projection's tiles do not fit sm_90's shared memory past 8 streams: there liger's projection runs,
-    with a warning naming hc_streams (never silently), and the step record says mhc:liger."""
-    from longctx import errors
+def test_wider_streams_run_ligers_projection():
+    """Our projection's tiles do not fit sm_90's shared memory past 8 streams: there liger's projection runs
+    (the rule, not a setting), and the step record says mhc:liger."""
     from longctx.ops.mhc import liger as mhc_liger
 
-    monkeypatch.setattr(errors, "_FALLBACKS_SAID", set())
-    monkeypatch.setattr(mhc_liger, "PROJECTION", "triton")
     assert mhc_liger.projection(4) == mhc_liger.projection(mhc_liger.PROJECT_MAX_STREAMS) == "triton"
-    with pytest.warns(RuntimeWarning, match="hc_streams <= 8 \\(got 16\\)"):
-        assert mhc_liger.projection(16) == "liger"
-    monkeypatch.setattr(mhc_liger, "PROJECTION", "liger")
-    assert mhc_liger.projection(4) == "liger"
+    assert mhc_liger.projection(16) == "liger"
 
 
 def test_refuses_cpu_tensors_outside_the_interpreter():

@@ -1,8 +1,8 @@
 """mHC's coefficient projection in Triton (longctx/ops/mhc/triton.py) on the GPU against its torch
 twin (RMSNorm then linear, fp32): bf16 streams at h200-ref's width and a narrow one, fresh random inputs,
 row counts that are not multiples of the blocks; mix (the issue's 5e-3) and grad x, grad fn (2e-2).
-Also against liger's kernels (what residual_impl=liger runs now) where liger-kernel is installed.
-Skipped without CUDA. Written after call 42; not run yet."""
+Also against liger's projection kernels (what streams wider than 8 run) where liger-kernel is installed.
+Skipped without CUDA."""
 
 from __future__ import annotations
 

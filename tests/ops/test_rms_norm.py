@@ -1,5 +1,5 @@
 """The fused RMSNorm kernels (longctx/ops/rms_norm/triton.py) against their plain-torch twin
-`norms._RMSNormFn` under the Triton interpreter on the CPU: output, input and weight gradients, in
+`naive.RMSNormFn` under the Triton interpreter on the CPU: output, input and weight gradients, in
 fp32 (to fp32 summation order) and bf16 (to one rounding step), rows that are not a power of two wide,
 one row, no rows. The GPU test is tests/ops/test_rms_norm_gpu.py. Run as a script under TRITON_INTERPRET=1 it
 prints a RESULT line per case (tests/triton_interpreter.py)."""
@@ -24,8 +24,8 @@ CASES = [  # name, shape, x dtype, weight dtype
 
 
 def compare(name, shape, xd, wd, seed=0):
-    """{name, what: rel-RMS} of the kernels against `_RMSNormFn` on the same inputs."""
-    from longctx.layers.norms import _RMSNormFn
+    """{name, what: rel-RMS} of the kernels against `RMSNormFn` on the same inputs."""
+    from longctx.ops.rms_norm.naive import RMSNormFn
     from longctx.ops.rms_norm.triton import rms_norm_triton
 
     g = torch.Generator().manual_seed(seed)
@@ -33,7 +33,7 @@ def compare(name, shape, xd, wd, seed=0):
     w0 = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(getattr(torch, wd))
     dy = torch.randn(*shape, generator=g).to(x0.dtype)
     out = {}
-    for tag, fn in (("ref", lambda x, w: _RMSNormFn.apply(x, w, 1e-6)), ("tri", lambda x, w: rms_norm_triton(x, w, 1e-6))):
+    for tag, fn in (("ref", lambda x, w: RMSNormFn.apply(x, w, 1e-6)), ("tri", lambda x, w: rms_norm_triton(x, w, 1e-6))):
         x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
         y = fn(x, w)
         y.backward(dy)
@@ -59,24 +59,27 @@ def test_kernels_match_the_torch_twin_under_the_interpreter():
         assert all(v <= tol for v in (r["y"], r["dx"], r["dw"])), (name, r)
 
 
-def test_unsupported_inputs_are_refused_with_the_setting():
+def test_unsupported_inputs_are_refused_with_the_setting(monkeypatch):
+    """What the kernels do not take: `rejects` says why, kernels.rms_norm 'triton' turns it into a ConfigError
+    naming the setting, a direct call into a ValueError (CPU tensors outside the interpreter, rows wider
+    than a program holds, fp64)."""
     from longctx.errors import ConfigError
-    from longctx.ops.rms_norm.triton import MAX_WIDTH, check_supported
+    from longctx.ops import rms_norm
+    from longctx.ops.rms_norm.triton import MAX_WIDTH, rejects, rms_norm_triton
 
-    with pytest.raises(ConfigError, match="norm_impl"):
-        check_supported(torch.zeros(2, 4), torch.ones(4))  # CPU tensors outside the interpreter
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, w = torch.zeros(2, 4), torch.ones(4)
+    assert "CUDA" in rejects(x, w)
+    with pytest.raises(ConfigError, match="kernels.rms_norm = 'triton' cannot run here .*CUDA"):
+        rms_norm.pick("triton", x, w)
+    with pytest.raises(ValueError, match="rms_norm_triton: .*CUDA"):
+        rms_norm_triton(x, w, 1e-6)
     import longctx.ops.rms_norm.triton as mod
 
-    orig = mod.interpreting
-    mod.interpreting = lambda: True
-    try:
-        with pytest.raises(ConfigError, match=f"rows of 1..{MAX_WIDTH}"):
-            check_supported(torch.zeros(2, MAX_WIDTH + 1), torch.ones(MAX_WIDTH + 1))
-        with pytest.raises(ConfigError, match="bf16, fp16 or fp32"):
-            check_supported(torch.zeros(2, 4, dtype=torch.float64), torch.ones(4))
-        check_supported(torch.zeros(2, 4, dtype=torch.bfloat16), torch.ones(4))
-    finally:
-        mod.interpreting = orig
+    monkeypatch.setattr(mod, "interpreting", lambda: True)
+    assert f"rows of 1..{MAX_WIDTH}" in rejects(torch.zeros(2, MAX_WIDTH + 1), torch.ones(MAX_WIDTH + 1))
+    assert "bf16, fp16 or fp32" in rejects(torch.zeros(2, 4, dtype=torch.float64), torch.ones(4))
+    assert rejects(torch.zeros(2, 4, dtype=torch.bfloat16), torch.ones(4)) is None
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def _run_cases() -> None:
 def _run_head_major_past_int32() -> None:
     """q and dO head-major with (H - 1) x head stride past 2^31 elements, as torch's einsum hands the DSA layer
     its absorbed queries ([B, S, H, D] with head stride S x D) at 512k tokens: the kernel's head offsets must be
-    int64 (the 512k step's backward faulted in call 46; this case read out of bounds before the fix). The
+    int64 (with int32 offsets this case reads out of bounds, as the 512k step's backward on the GPU would). The
     views' storage is lazily committed (one torch.empty of 8.6 GB virtual, ~100 rows touched)."""
     import torch
 

@@ -110,7 +110,7 @@ def test_empty_rows_and_duplicates():
 def test_kept_attention_backward(B, S, H):
     """memory.reuse_attention's path: the kernel's backward from a kept (o, lse) equals the regular
     Function's gradients (the same kernel on the same saved tensors: dq bit for bit; dkv to within one bf16
-    rounding step, since its fp32 atomics add in whatever order the CTAs run — call 38 saw it differ), and the backward's
+    rounding step, since its fp32 atomics add in whatever order the CTAs run, so two runs may differ), and the backward's
     torch twin (sparse_attention_bwd_torch, fp32, from the kernel's o and lse) agrees within the
     gradient tolerance, on fresh random inputs with -1 padding and tails."""
     from longctx.ops.sparse_attention.naive import sparse_attention_bwd_torch

@@ -1,5 +1,5 @@
 """The fused clamped-SwiGLU kernels (longctx/ops/swiglu/triton.py) against their plain-torch twins
-`mlp._ClampedSwiGLU` and `mlp._ClampedSwiGLUPacked` under the Triton interpreter on the CPU: output and
+`naive.ClampedSwiGLU` and `naive.ClampedSwiGLUPacked` under the Triton interpreter on the CPU: output and
 both gradients, fp32 and bf16, widths that are not a multiple of the kernel's block, inputs on both sides
 of the clamp (and exactly on it), the packed [gate | up] layout, no rows. The GPU test is
 tests/ops/test_swiglu_gpu.py. Run as a script under TRITON_INTERPRET=1 it prints a RESULT line per case
@@ -39,13 +39,13 @@ def inputs(rows, width, dtype, packed, seed=0):
 
 def compare(name, rows, width, dtype, packed):
     """{name, what: rel-RMS, what_max: max abs} of the kernels against the torch Functions."""
-    from longctx.layers.mlp import _ClampedSwiGLU, _ClampedSwiGLUPacked
+    from longctx.ops.swiglu.naive import ClampedSwiGLU, ClampedSwiGLUPacked
     from longctx.ops.swiglu.triton import clamped_swiglu_packed_triton, clamped_swiglu_triton
 
     x0, dy = inputs(rows, width, dtype, packed)
     out = {}
     if packed:
-        fns = (("ref", lambda h: _ClampedSwiGLUPacked.apply(h, LIMIT)), ("tri", lambda h: clamped_swiglu_packed_triton(h, LIMIT)))
+        fns = (("ref", lambda h: ClampedSwiGLUPacked.apply(h, LIMIT)), ("tri", lambda h: clamped_swiglu_packed_triton(h, LIMIT)))
         for tag, fn in fns:
             h = x0.clone().requires_grad_(True)
             y = fn(h)
@@ -53,7 +53,7 @@ def compare(name, rows, width, dtype, packed):
             out[tag] = (y.detach(), h.grad)
         whats = ("y", "dh")
     else:
-        fns = (("ref", lambda a, b: _ClampedSwiGLU.apply(a, b, LIMIT)), ("tri", lambda a, b: clamped_swiglu_triton(a, b, LIMIT)))
+        fns = (("ref", lambda a, b: ClampedSwiGLU.apply(a, b, LIMIT)), ("tri", lambda a, b: clamped_swiglu_triton(a, b, LIMIT)))
         for tag, fn in fns:
             a, b = (t.clone().requires_grad_(True) for t in x0)
             y = fn(a, b)
@@ -84,51 +84,58 @@ def test_kernels_match_the_torch_twin_under_the_interpreter():
         assert all(r[w] <= tol for w in whats), (name, r)
 
 
-def test_unsupported_inputs_are_refused_with_the_setting():
+def test_unsupported_inputs_are_refused_with_the_setting(monkeypatch):
+    """What the kernels do not take: `rejects` says why, kernels.swiglu 'triton' turns it into a ConfigError
+    naming the setting, a direct call into a ValueError."""
     from longctx.errors import ConfigError
-    from longctx.ops.swiglu.triton import check_supported
+    from longctx.ops import swiglu
+    from longctx.ops.swiglu.triton import clamped_swiglu_packed_triton, rejects
 
-    with pytest.raises(ConfigError, match="swiglu_impl"):
-        check_supported(torch.zeros(2, 4))  # CPU tensors outside the interpreter
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    h = torch.zeros(2, 4)
+    assert "CUDA" in rejects(h)
+    with pytest.raises(ConfigError, match="kernels.swiglu = 'triton' cannot run here .*CUDA"):
+        swiglu.pick("triton", h)
+    with pytest.raises(ValueError, match="clamped_swiglu_triton: .*CUDA"):
+        clamped_swiglu_packed_triton(h, LIMIT)
     import longctx.ops.swiglu.triton as mod
 
-    orig = mod.interpreting
-    mod.interpreting = lambda: True
-    try:
-        with pytest.raises(ConfigError, match="one dtype"):
-            check_supported(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 4))
-        with pytest.raises(ConfigError, match="bf16, fp16 or fp32"):
-            check_supported(torch.zeros(2, 4, dtype=torch.float64))
-        check_supported(torch.zeros(2, 4, dtype=torch.bfloat16))
-    finally:
-        mod.interpreting = orig
+    monkeypatch.setattr(mod, "interpreting", lambda: True)
+    assert "one dtype" in rejects(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 4))
+    assert "bf16, fp16 or fp32" in rejects(torch.zeros(2, 4, dtype=torch.float64))
+    assert rejects(torch.zeros(2, 4, dtype=torch.bfloat16)) is None
 
 
-def test_the_setting_reaches_every_swiglu_and_the_step_log():
-    """swiglu_impl through the model: every DenseMLP and Experts takes it, the step log names what ran
+def test_the_setting_reaches_every_swiglu_and_the_step_log(monkeypatch):
+    """kernels.swiglu through the model: every DenseMLP and Experts takes it, the step log names what ran
     (torch on the CPU under auto, no triton import needed), and triton on CPU tensors is one ConfigError
-    naming the setting."""
+    naming the setting, from apply_kernels before a step or from the layer."""
     from longctx.config import preset
+    from longctx.config.kernels import KernelConfig
     from longctx.errors import ConfigError
+    from longctx.kernels import apply_kernels, plain_torch
     from longctx.layers.mlp import DenseMLP
     from longctx.layers.moe import Experts
     from longctx.model import LongCtxModel
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     m = LongCtxModel(preset("tiny"))
     ids = torch.randint(0, 97, (1, 17))
     m(ids, labels=ids).loss.backward()
     mods = [x for x in m.modules() if isinstance(x, (DenseMLP, Experts))]
-    assert mods and all(x.impl == "auto" and x.last_impl == "swiglu:torch" for x in mods)
+    assert mods and all(x.kernels["swiglu"] == "auto" and x.last_impl == "swiglu:torch" for x in mods)
     assert "swiglu:torch" in m.impl_report()
-    m.set_impls(swiglu="triton")
-    assert all(x.impl == "triton" for x in mods)
-    with pytest.raises(ConfigError, match="swiglu_impl"):
+    with pytest.raises(ConfigError, match="kernels.swiglu = 'triton' cannot run here"):
+        apply_kernels(m, KernelConfig(swiglu="triton"))
+    for x in mods:
+        x.kernels["swiglu"] = "triton"
+    with pytest.raises(ConfigError, match="kernels.swiglu = 'triton' cannot run here"):
         m(ids, labels=ids)
-    with pytest.raises(ConfigError, match="swiglu_impl must be one of auto, torch, triton"):
-        m.set_impls(swiglu="fused")
-    with m.plain_torch():
-        assert all(x.impl == "torch" for x in mods)
-    assert all(x.impl == "triton" for x in mods)
+    with pytest.raises(ConfigError, match="kernels.swiglu must be one of auto, torch, triton"):
+        apply_kernels(m, KernelConfig(swiglu="fused"))
+    with plain_torch(m):
+        assert all(x.kernels["swiglu"] == "torch" for x in mods)
+    assert all(x.kernels["swiglu"] == "triton" for x in mods)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The fused clamped-SwiGLU kernels (longctx/ops/swiglu/triton.py) on the GPU against their torch twins
-`mlp._ClampedSwiGLU` / `mlp._ClampedSwiGLUPacked`: forward and backward in bf16 on fresh random inputs
-(widths that are not a multiple of the block, both layouts), what each keeps for backward, and a model
-step with `swiglu_impl=triton`. Skipped without CUDA."""
+`ClampedSwiGLU` / `ClampedSwiGLUPacked` (longctx/ops/swiglu/naive.py): forward and backward in bf16 on
+fresh random inputs (widths that are not a multiple of the block, both layouts), what each keeps for
+backward, and a model step with `kernels.swiglu = triton`. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_fused_swiglu_matches_the_torch_twin(rows, width, packed):
     """Every intermediate is rounded where torch rounds it, so outputs and gradients should differ only
     where the fp32 SiLU differs in its last bit (one bf16 step in a few elements): 1e-3 here, far inside
     the issue's bounds (5e-3 outputs, 2e-2 gradients)."""
-    from longctx.layers.mlp import _ClampedSwiGLU, _ClampedSwiGLUPacked
+    from longctx.ops.swiglu.naive import ClampedSwiGLU, ClampedSwiGLUPacked
     from longctx.ops.swiglu.triton import clamped_swiglu_packed_triton, clamped_swiglu_triton
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
@@ -35,14 +35,14 @@ def test_fused_swiglu_matches_the_torch_twin(rows, width, packed):
     res = {}
     if packed:
         h0 = torch.cat([gate, up], -1)
-        for tag, fn in (("torch", lambda h: _ClampedSwiGLUPacked.apply(h, LIMIT)),
+        for tag, fn in (("torch", lambda h: ClampedSwiGLUPacked.apply(h, LIMIT)),
                         ("triton", lambda h: clamped_swiglu_packed_triton(h, LIMIT))):
             h = h0.clone().requires_grad_(True)
             y = fn(h)
             y.backward(dy)
             res[tag] = {"y": y.detach(), "dh": h.grad}
     else:
-        for tag, fn in (("torch", lambda a, b: _ClampedSwiGLU.apply(a, b, LIMIT)),
+        for tag, fn in (("torch", lambda a, b: ClampedSwiGLU.apply(a, b, LIMIT)),
                         ("triton", lambda a, b: clamped_swiglu_triton(a, b, LIMIT))):
             a, b = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
             y = fn(a, b)
@@ -57,8 +57,8 @@ def test_fused_swiglu_matches_the_torch_twin(rows, width, packed):
 
 
 def test_fused_swiglu_keeps_what_the_torch_twin_keeps():
-    """The packed input only (memory.estimate counts one [rows, 2I] row)."""
-    from longctx.layers.mlp import clamped_swiglu_packed
+    """The packed input only (memory.model_bytes counts one [rows, 2I] row)."""
+    from longctx.ops.swiglu import clamped_swiglu_packed
     from longctx.measure.meter import SavedTensorMeter
 
     h = torch.randn(4096, 2 * 768, device="cuda").bfloat16().requires_grad_(True)
@@ -74,6 +74,6 @@ def test_fused_swiglu_keeps_what_the_torch_twin_keeps():
 def test_model_step_with_the_fused_swiglu():
     """A bf16 step with swiglu_impl triton is as close to an fp32 step as with the torch SwiGLU
     (tests/gpu_step_drift.py), and the step log says which ran."""
-    from gpu_step_drift import assert_as_close_to_fp32, step_drift
+    from gpu_step_drift import assert_as_close_to_fp32, set_kernel, step_drift
 
-    assert_as_close_to_fp32(step_drift(lambda m, impl: m.set_impls(swiglu=impl)), "swiglu")
+    assert_as_close_to_fp32(step_drift(lambda m, impl: set_kernel(m, "swiglu", impl)), "swiglu")

@@ -21,7 +21,7 @@ from longctx import checkpoint as ckpt
 from longctx.cli import main
 from longctx.config import preset
 from longctx.model import LongCtxModel
-from longctx.config.train import load_train_config
+from longctx.config.loading import load_train_config
 from longctx.train.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -235,7 +235,7 @@ def test_resume_applies_and_logs_the_settings_that_may_change(tmp_path, stopped_
     recs = list(map(json.loads, open(out / "metrics.jsonl")))
     assert [r["step"] for r in recs if "loss" in r] == list(range(1, 9))
     assert [r["step"] for r in recs if r.get("eval", "").startswith("step")] == [6]
-    assert [ln.split("|")[0].split()[1] for ln in said.splitlines() if ln.startswith("step ")] == ["6", "8"]
+    assert [ln.split("|")[0].split()[1] for ln in said.splitlines() if ln.startswith("step ")] == ["6/8", "8/8"]
 
 
 def test_a_checkpoint_of_another_shape_is_a_checkpoint_error(tmp_path):

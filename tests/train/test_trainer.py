@@ -12,7 +12,7 @@ import torch
 
 from longctx.config import preset
 from longctx.model import LongCtxModel
-from longctx.config.train import load_train_config
+from longctx.config.loading import load_train_config
 from longctx.train.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -164,15 +164,3 @@ def test_stage_data_mixture_switches_sources(tmp_path):
     main2, long2 = tr.stream.streams
     assert (main2.epoch, main2.cursor) == (main.epoch, main.cursor) and long2.cursor == 2 * 64  # stage 1: long only
 
-
-def test_step_line_shows_the_estimate_beside_the_measured_peak():
-    """On CUDA each step's line carries the stage plan's estimate next to the measured peak; without
-    one (the CPU: its peak is the process RSS, not the estimate's GPU bytes) the line has none."""
-    from longctx.memory.estimate import device_gpu_key
-    from longctx.train.trainer import Trainer
-
-    rec = {"step": 3, "stage": 1, "seq_len": 1048576, "loss": 2.5, "grad_norm": 0.9, "tokens_per_s": 6491.0,
-           "peak_gib": 84.56, "moe_max_over_mean": None, "impl": "dsa:triton-sparse x3"}
-    assert "(est" not in Trainer.format(None, rec)
-    assert "peak 84.56 GiB (est 90.7) |" in Trainer.format(None, dict(rec, estimate_gib=90.65))
-    assert device_gpu_key(torch.device("cpu")) == "cpu"

@@ -1,4 +1,4 @@
-"""Plain-torch twin of the fused k-pool indexer: score every (query, pool) pair, keep the top-k pools.
+"""Plain-torch twin of the k-pool indexer's Triton path: score every (query, pool) pair, keep the top-k pools.
 
     score(t, p) = sum_h w[t, h] * relu(q[t, h] . pk[p])        (q already carries 1/sqrt(D_I))
 
@@ -8,9 +8,8 @@ the lower pool id, so the result is a function of the scores alone (torch.topk's
 unspecified). Output: int32 [B, S, k_pools], ascending pool ids, -1 after the last one.
 
 The selection is written as "everything above the k-th largest score, then the first few equal to
-it in pool order", the rule the Triton kernel implements with a radix select, so the two can be
-compared id for id. -0.0 is folded into +0.0 first (they compare equal, but their bit patterns
-would not in the kernel's radix keys).
+it in pool order", the rule the Triton emit kernel implements, so the two can be compared id for id.
+-0.0 is folded into +0.0 first, as the kernel folds it (equal floats must pick alike).
 """
 
 from __future__ import annotations

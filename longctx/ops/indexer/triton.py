@@ -1,45 +1,80 @@
-"""Two-phase k-pool indexer: a Triton kernel scores a block of queries into an fp32 buffer, then the
-pools are picked from it: each row's k-th score (torch.topk, or our radix-select kernel) and an emit
-kernel (above it, then ties in pool order), or the twin's `select_from_scores` (select="torch").
-
-Why a second design beside the fused kernel (`triton_kernel.py`): the fused kernel never stores a
-score, but it recomputes every tile 1 + passes times (~5 sweeps) and each sweep runs at ~10% of the
-MMA rate (bench/NOTES.md, "indexer"): 52x the single-sweep floor at 128k. Here the tiles are scored
-once (MMA, ReLU, weighted head sum, no histogram) and written to HBM, O(chunk x pools) memory; the
-emit kernel reads the buffer twice after the k-th score is known. Measured on the H200 (bench/NOTES.md):
-89.3 ms at 128k against the fused kernel's 292.2, the same picks on every row, so the layers run this
-path by default (`KPoolIndexer.kernel`). Half of it is torch.topk finding each row's k-th score;
-`kth="radix"` finds it with our own radix-select kernel instead (`_kth_score_kernel`: 32 / RBITS reads
-of the row, each a histogram of the next digit among the keys that still match): exact on the H200,
-but no faster (44.2 ms at 128k against torch.topk's 44.8), so topk stays the default.
+"""The k-pool indexer's Triton path, in two phases: a score kernel writes a block of queries' fp32 scores
+against every pool into a buffer, each row's k-th score comes from torch.topk, and an emit kernel picks
+the pools (those above the k-th score, then the ones equal to it in pool order).
 
 Same function as `naive.kpool_topk_torch` (ascending int32 pool ids, -1 padded, ties to the lower pool
-id); the scores are the fused kernel's tile scores (`_tile_scores`, one code path), so on inputs whose
-fp32 scores are exact the ids equal the twin's and the fused kernel's id for id.
+id): on inputs whose fp32 scores are exact the ids equal the twin's id for id.
+
+Why two phases. A single kernel that never stores a score (a radix select over the fp32 bits of the
+scores, recomputing every tile on each of its ~4 passes) keeps only its output, but each pass runs at
+~10% of the MMA rate, its epilogue (ReLU, weighting, head sum, histogram) dominating: 293.8 ms at 128k
+tokens on the H200 against 92.6 ms here, with the same picks on every row. Here the tiles are scored
+once (MMA, ReLU, weighted head sum; a strip of pool tiles per program so q stays in registers) into
+O(chunk x pools) memory, and the emit kernel reads the buffer twice once the k-th score is known. Half
+of the time is torch.topk finding each row's k-th score; a radix k-th select of our own is exact but no
+faster (44.2 ms against topk's 44.8 at 128k), so topk stays. docs/design/indexer.md has the floor and
+what would approach it.
+
+Runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (the CPU tests do that).
+Shapes it cannot take raise a ValueError naming the shape.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import triton_interpreting as _interpreting
 from .naive import select_from_scores
-from .fused import (
-    _cfg,
-    _check,
-    _fix_interpreter_loop_bounds,
-    _interpreting,
-    _last_contig,
-    _load_query_block,
-    _tile_scores,
-)
 
-# how the select finds each row's k-th score: torch.topk over the row, _kth_score_kernel, or
-# `kth_scores_grouped` (torch.topk over group maxima, then over the chosen groups' scores)
-KTH_METHODS = ("topk", "radix", "grouped")
+_MAX_HEADS = 128
+_MAX_D = 256
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _load_query_block(Q, W, b, t0, stride_qb, stride_qs, stride_qh, stride_wb, stride_ws, stride_wh, S, H,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+    """The MMA operand of queries t0 .. t0+BLOCK_M-1: q rows are (query m, head h) pairs, row = m * BLOCK_H
+    + h, [BLOCK_M * BLOCK_H, BLOCK_D]; their head weights as [BLOCK_M, BLOCK_H, 1] fp32; and the masks."""
+    rows = tl.arange(0, BLOCK_M * BLOCK_H)
+    rm = rows // BLOCK_H
+    rh = rows % BLOCK_H
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q_ok = ((t0 + rm) < S) & (rh < H)
+    q = tl.load(Q + b * stride_qb + (t0 + rm)[:, None].to(tl.int64) * stride_qs + rh[:, None].to(tl.int64) * stride_qh
+                + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_h = tl.arange(0, BLOCK_H)
+    t = t0 + offs_m
+    m_ok = t < S
+    w = tl.load(W + b * stride_wb + t[:, None].to(tl.int64) * stride_ws + offs_h[None, :].to(tl.int64) * stride_wh,
+                mask=m_ok[:, None] & (offs_h[None, :] < H), other=0.0).to(tl.float32)
+    return q, tl.reshape(w, [BLOCK_M, BLOCK_H, 1]), offs_d, d_ok, offs_m, t, m_ok
+
+
+@triton.jit
+def _tile_scores(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
+                 BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """fp32 scores of BLOCK_M queries x BLOCK_N pools (-0.0 folded into +0.0), selectability, pool ids."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < NP
+    kt = tl.load(pk_base + offs_n[None, :] * stride_pn + offs_d[:, None],
+                 mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+    if DOT_F32:  # interpreter only: its dot multiplies bf16 storage bits as integers
+        kt = kt.to(tl.float32)
+    s = tl.dot(q, kt, input_precision=PREC)  # [BLOCK_M * BLOCK_H, BLOCK_N], fp32
+    s = tl.reshape(tl.maximum(s, 0.0), [BLOCK_M, BLOCK_H, BLOCK_N])
+    sc = tl.sum(s * w3, axis=1)
+    sc = tl.where(sc == 0.0, 0.0, sc)  # -0.0 -> +0.0: equal floats must get equal keys
+    valid = n_ok[None, :] & (offs_n[None, :] * P + (P - 1) <= pos[:, None])
+    return sc, valid, offs_n
 
 
 @triton.jit
@@ -90,7 +125,7 @@ def _emit_from_scores_kernel(
 ):
     """OUT[b, t, :K] = the pools of row t above its k-th score KTH[b, t], then the first ones equal to it
     in pool order (ties to the lower id), ascending, -1 padded; -inf scores are never taken. Two reads
-    of the row: count those above, then emit (the fused kernel's emit step over stored scores)."""
+    of the row: count those above, then emit."""
     b = tl.program_id(1).to(tl.int64)
     t = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = t < S
@@ -125,108 +160,76 @@ def _emit_from_scores_kernel(
                  mask=m_ok[:, None] & (offs_k[None, :] >= cnt[:, None]) & (offs_k[None, :] < K))
 
 
-@triton.jit
-def _kth_score_kernel(
-    SC, KTH, stride_sb, stride_ss, stride_kb, NC, K,
-    RBITS: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """KTH[b, t] = the k-th largest of row t's NC scores (K = min(k, NC); -inf when fewer than K are
-    finite): torch.topk(k).values.amin() without sorting. Radix select on the order-preserving uint32
-    key of each fp32 score (-0.0 read as +0.0): pass p histograms the p-th RBITS-bit digit of the keys
-    whose higher digits equal the prefix found so far, and the digit where the count from the top
-    reaches the rank still wanted extends the prefix. 32 / RBITS reads of the row; exact."""
-    t = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    row = SC + b * stride_sb + t * stride_ss
-    NB: tl.constexpr = 1 << RBITS
-    bins = tl.arange(0, NB)
-    rank = K  # the rank still wanted among the keys that match the prefix (1 = the largest)
-    prefix = tl.zeros([], dtype=tl.uint32)
-    for p in tl.static_range(32 // RBITS):
-        shift = 32 - (p + 1) * RBITS  # a constexpr: p is one
-        hist = tl.zeros([NB], dtype=tl.int32)
-        for n0 in range(0, NC, BLOCK_N):
-            offs = n0 + tl.arange(0, BLOCK_N)
-            ok = offs < NC
-            x = tl.load(row + offs, mask=ok, other=0.0)
-            bits = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
-            key = tl.where((bits >> 31) == 1, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-            if p > 0:
-                ok = ok & ((key >> (shift + RBITS)) == (prefix >> (shift + RBITS)))
-            hist += tl.histogram(((key >> shift) & (NB - 1)).to(tl.int32), NB, mask=ok)
-        at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys in this digit's bin or higher ones
-        d = tl.max(tl.where(at_or_above >= rank, bins, -1), 0)  # >= 0: the matching keys number >= rank
-        rank -= tl.sum(tl.where(bins > d, hist, 0), 0)
-        prefix = prefix | (d.to(tl.uint32) << shift)
-    bits = tl.where((prefix >> 31) == 1, prefix & 0x7FFFFFFF, prefix ^ 0xFFFFFFFF)
-    tl.store(KTH + b * stride_kb + t, bits.to(tl.float32, bitcast=True))
+def _fix_interpreter_loop_bounds() -> None:
+    """Let the Triton interpreter loop to a bound computed in the kernel.
+
+    triton 3.6's interpreter keeps scalars as 1-element numpy arrays and turns a `range` bound into
+    an int with int(array), which numpy >= 2.3 refuses for arrays that are not 0-d. The kernel's
+    per-program loop bounds (its causal range) hit that, so under TRITON_INTERPRET=1 we read the
+    single element instead. Compiled kernels are untouched.
+    """
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_scalar_index_fix", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._scalar_index_fix = True
+    interpreter._patch_lang_tensor = patched
 
 
-def kth_scores_triton(score: torch.Tensor, k: int, rbits: int = 8, block_n: int = 1024) -> torch.Tensor:
-    """fp32 [B, c, n] -> fp32 [B, c]: each row's min(k, n)-th largest score, by `_kth_score_kernel`
-    (the value `score.topk(min(k, n)).values.amin(-1)` gives; -inf where fewer are finite)."""
-    if rbits not in (4, 8):
-        raise ValueError(f"kth_scores_triton: rbits={rbits}; use 4 or 8 (a divisor of 32 the histogram can hold)")
-    B, c, n = score.shape
-    kth = torch.empty(B, c, dtype=torch.float32, device=score.device)
-    if B == 0 or c == 0 or n == 0 or k == 0:
-        return kth.fill_(float("-inf"))
-    score = _last_contig(score)
-    if _interpreting():
-        _fix_interpreter_loop_bounds()
-    _kth_score_kernel[(c, B)](score, kth, score.stride(0), score.stride(1), kth.stride(0), n, min(k, n),
-                              RBITS=rbits, BLOCK_N=block_n, num_warps=4)
-    return kth
+def _check(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, k_pools: int, q_offset: int) -> None:
+    """Raise a ValueError naming the shape when the kernel cannot take it."""
+    from .naive import _check as check_shapes
+
+    check_shapes(q, w, pk, pool, k_pools, "kpool_topk_triton")
+    _, S, H, D = q.shape
+    if not 1 <= D <= _MAX_D:
+        raise ValueError(f"kpool_topk_triton: head dim D={D} unsupported; supported 1..{_MAX_D}")
+    if not 1 <= H <= _MAX_HEADS:
+        raise ValueError(f"kpool_topk_triton: H={H} heads unsupported; supported 1..{_MAX_HEADS}")
+    if q.dtype not in _DTYPES or pk.dtype != q.dtype:
+        raise ValueError(
+            f"kpool_topk_triton: dtypes q {q.dtype}, pk {pk.dtype} unsupported; "
+            f"q and pk must share one of bfloat16, float16, float32"
+        )
+    if not w.dtype.is_floating_point:
+        raise ValueError(f"kpool_topk_triton: w dtype {w.dtype} unsupported; use a float dtype (read as fp32)")
+    if q_offset < 0 or q_offset + S >= 2**31 or pk.shape[1] * pool >= 2**31:
+        raise ValueError(
+            f"kpool_topk_triton: q_offset={q_offset}, S={S}, NP={pk.shape[1]}, pool={pool} unsupported; "
+            f"positions must be in [0, 2^31)"
+        )
+    devs = {q.device, w.device, pk.device}
+    if len(devs) != 1:
+        raise ValueError(f"kpool_topk_triton: tensors on different devices {sorted(map(str, devs))}")
+    dev = q.device
+    if dev.type != "cuda" and not (dev.type == "cpu" and _interpreting()):
+        raise ValueError(
+            f"kpool_topk_triton: device {dev} unsupported; needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1)"
+        )
 
 
-def kth_group_size(n: int, k: int) -> int:
-    """The group width G for `kth_scores_grouped`: the power of two nearest sqrt(n / k), so that the two
-    top-k calls see about as many scores each (n / G group maxima, k x G gathered); 1 (plain topk) where
-    the row holds fewer than 4 k scores."""
-    if k <= 0 or n < 4 * k:
-        return 1
-    return 1 << max(0, round(math.log2(math.sqrt(n / k))))
+def _cfg(H: int, D: int) -> dict:
+    """Tile sizes: 256 (query, head) MMA rows per program, 64 pools per tile, a strip of 8 tiles per program."""
+    block_h = triton.next_power_of_2(H)
+    block_m = max(1, min(64, 256 // block_h))
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "TILES": 8, "BLOCK_H": block_h,
+            "BLOCK_D": max(16, triton.next_power_of_2(D)), "num_warps": 8, "num_stages": 2}
 
 
-def kth_scores_grouped(score: torch.Tensor, k: int, group: int | None = None) -> torch.Tensor:
-    """fp32 [B, c, n] -> fp32 [B, c]: each row's min(k, n)-th largest score (as `score.topk(min(k, n))
-    .values.amin(-1)`), exactly, from two smaller top-k calls. Split the row into groups of G consecutive
-    scores and take the k groups with the largest maxima; T, the k-th largest maximum, is <= v_k, the row's
-    k-th largest score (k groups each hold a score >= T). So every score > v_k sits in a group whose maximum
-    exceeds T, one of the k chosen (fewer than k groups have a maximum above T); and the chosen groups hold
-    k scores >= v_k: when v_k > T those equal to v_k sit in groups above T, when v_k = T each chosen group's
-    maximum is one. The k-th largest of the chosen groups' k x G scores is therefore v_k. Work: n / G + k x G
-    scores through topk instead of n (16,384 -> 6,144 for a 128k query's pools, 131,072 -> 16,384 at 1M).
-    On the H200 (call 49) it is exact (the same pools on every row) and slower: the path 107 vs 95 ms at 128k,
-    16.8 vs 9.1 ms at 32k: torch.topk's time follows its calls and rows, not the scores it sees."""
-    B, c, n = score.shape
-    kk = min(k, n)
-    G = group or kth_group_size(n, kk)
-    if kk == 0 or c == 0 or B == 0:
-        return torch.full((B, c), float("-inf"), dtype=torch.float32, device=score.device)
-    ng = -(-n // G)
-    if G == 1 or ng <= kk:  # every group would be chosen: the row itself
-        return score.topk(kk, dim=-1, sorted=False).values.amin(-1).contiguous()
-    full = n // G * G
-    gmax = score[..., :full].unflatten(-1, (n // G, G)).amax(-1)
-    if full < n:  # the ragged last group
-        gmax = torch.cat([gmax, score[..., full:].amax(-1, keepdim=True)], -1)
-    groups = gmax.topk(kk, dim=-1, sorted=False).indices  # [B, c, k]
-    cols = (groups[..., None] * G + torch.arange(G, device=score.device)).flatten(-2)  # [B, c, k x G]
-    vals = score.gather(-1, cols.clamp(max=n - 1))
-    vals = vals.masked_fill(cols >= n, float("-inf"))  # past the ragged group's end
-    return vals.topk(kk, dim=-1, sorted=False).values.amin(-1).contiguous()
+def _last_contig(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, block_n: int = 256,
-                              kth: str = "topk") -> torch.Tensor:
+def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, block_n: int = 256) -> torch.Tensor:
     """fp32 [B, c, n] scores (-inf = not selectable) -> int32 [B, c, k]: `naive.select_from_scores`'
     function (top k, ties to the lower pool id, ascending, -1 padded), with each row's k-th score from
-    torch.topk (`kth="topk"`), `_kth_score_kernel` (`kth="radix"`) or `kth_scores_grouped` (`kth="grouped"`)
-    and one Triton kernel for the rest
-    (instead of ~8 torch passes over the scores)."""
-    if kth not in KTH_METHODS:
-        raise ValueError(f"select_from_scores_triton: kth={kth!r}; use one of {', '.join(KTH_METHODS)}")
+    torch.topk and one Triton kernel for the rest (instead of ~8 torch passes over the scores)."""
     B, c, n = score.shape
     out = torch.empty(B, c, k, dtype=torch.int32, device=score.device)
     if k == 0:
@@ -234,12 +237,7 @@ def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, blo
     if n == 0 or c == 0:
         return out.fill_(-1)
     score = _last_contig(score)
-    if kth == "radix":
-        kth = kth_scores_triton(score, k)
-    elif kth == "grouped":
-        kth = kth_scores_grouped(score, k)
-    else:
-        kth = score.topk(min(k, n), dim=-1, sorted=False).values.amin(-1).contiguous()  # -inf: fewer than k selectable
+    kth = score.topk(min(k, n), dim=-1, sorted=False).values.amin(-1).contiguous()  # -inf: fewer than k selectable
     if _interpreting():
         _fix_interpreter_loop_bounds()
     _emit_from_scores_kernel[(triton.cdiv(c, block_m), B)](
@@ -256,7 +254,7 @@ def kpool_scores_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool
     _check(q, w, pk, pool, 0, q_offset)
     q, pk = _last_contig(q), _last_contig(pk)
     B, S, H, D = q.shape
-    c = {**_cfg(H, D), "TILES": 8, **(cfg or {})}
+    c = {**_cfg(H, D), **(cfg or {})}
     out = torch.empty(B, S, n_cols, dtype=torch.float32, device=q.device)
     if B == 0 or S == 0 or n_cols == 0:
         return out
@@ -278,19 +276,23 @@ def kpool_scores_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool
     return out
 
 
-def kpool_topk_two_phase(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, k_pools: int,
-                         chunk: int = 1024, q_offset: int = 0, cfg: dict | None = None,
-                         select: str = "triton", kth: str = "topk") -> torch.Tensor:
+def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, k_pools: int,
+                      chunk: int = 1024, q_offset: int = 0, cfg: dict | None = None,
+                      select: str = "triton") -> torch.Tensor:
     """int32 [B, S, k_pools], the same function as `naive.kpool_topk_torch`: `chunk` queries are scored
-    into an fp32 [B, chunk, pools they can see] buffer by the Triton kernel, then selected: `select`
-    "triton" (the k-th score by `kth`, "topk" or "radix", + the emit kernel) or "torch"
-    (`naive.select_from_scores`).
-    Extra memory: that buffer and the selection's temporaries (O(chunk x pools))."""
+    into an fp32 [B, chunk, pools they can see] buffer by the score kernel, then selected by `select`:
+    "triton" (torch.topk's k-th score + the emit kernel) or "torch" (`naive.select_from_scores`, which
+    the tests use to check the score kernel alone).
+
+    q [B,S,H,D] and pk [B,NP,D] share bf16/fp16/fp32 (fp32 runs the MMAs in IEEE fp32); w [B,S,H] is read
+    as fp32; q_offset is the absolute position of q[:, 0]. `cfg` overrides the tile config (BLOCK_M,
+    BLOCK_N, TILES, num_warps, num_stages). Supported: H <= 128, D <= 256. Extra memory: the buffer and
+    the selection's temporaries (O(chunk x pools))."""
     _check(q, w, pk, pool, k_pools, q_offset)
     if chunk < 1:
-        raise ValueError(f"kpool_topk_two_phase: chunk={chunk}; use a positive number of queries")
+        raise ValueError(f"kpool_topk_triton: chunk={chunk}; use a positive number of queries")
     if select not in ("triton", "torch"):
-        raise ValueError(f"kpool_topk_two_phase: select={select!r}; use 'triton' or 'torch'")
+        raise ValueError(f"kpool_topk_triton: select={select!r}; use 'triton' or 'torch'")
     B, S = q.shape[:2]
     NP = pk.shape[1]
     out = torch.full((B, S, k_pools), -1, dtype=torch.int32, device=q.device)
@@ -303,7 +305,7 @@ def kpool_topk_two_phase(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, poo
             continue
         score = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg)
         if select == "triton":
-            out[:, s0:s1] = select_from_scores_triton(score, k_pools, kth=kth)
+            out[:, s0:s1] = select_from_scores_triton(score, k_pools)
         else:
             out[:, s0:s1] = select_from_scores(score, score != float("-inf"), k_pools)
     return out

@@ -24,13 +24,14 @@ import torch
 
 from .. import warn_tf32
 
-__all__ = ["fla_available", "fla_causal_conv1d", "fla_chunk_kda", "fla_recurrent_kda"]
+__all__ = ["fla_available", "fla_causal_conv1d", "fla_chunk_kda", "fla_gated_rms_norm", "fla_import_error",
+           "fla_recurrent_kda"]
 
 
 # fla's kernels autotune for every new shape, and Triton keeps the choice on disk only with this set (its
 # compiled kernels it keeps anyway): without it, every process autotunes afresh. A 1M-token step's first run
-# in a process took 162 s with no cache, 68.8 s with an earlier process's compiled kernels and autotuning
-# choices, 46.9 s warm (bench/NOTES.md, calls 39 and 41). Set before fla is first imported (its autotuners
+# in a process takes 162 s with no cache, 68.8 s with an earlier process's compiled kernels and autotuning
+# choices, 46.9 s warm (H200, dev/LOG.md). Set before fla is first imported (its autotuners
 # read it when they are made); a value the user set wins, "0" included.
 AUTOTUNE_CACHE_ENV = "TRITON_CACHE_AUTOTUNING"
 
@@ -45,6 +46,11 @@ def _import_error() -> str | None:
     return None
 
 
+def fla_import_error() -> str | None:
+    """Why fla's KDA kernels do not import, or None."""
+    return _import_error()
+
+
 def fla_available() -> bool:
     """True when fla's KDA kernels import and a CUDA device is present."""
     return torch.cuda.is_available() and _import_error() is None
@@ -56,7 +62,7 @@ def _require(*tensors: torch.Tensor) -> None:
         raise RuntimeError(f"the fla KDA backend needs fla-core 0.6.0 (pip install fla-core==0.6.0); importing it failed: {err}")
     for t in tensors:
         if not t.is_cuda:
-            raise RuntimeError(f"the fla KDA backend runs on CUDA tensors only; got a tensor on {t.device}. Use backend='torch'.")
+            raise RuntimeError(f"the fla KDA backend runs on CUDA tensors only; got a tensor on {t.device}. Use kernels.kda = 'torch'.")
 
 
 def _common_kwargs(q, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state, cu_seqlens) -> dict:
@@ -76,9 +82,8 @@ def fla_chunk_kda(
     from fla.ops.kda import chunk_kda
 
     _require(q)
-    warn_tf32("KDA: fla-core's chunk_kda (KDA backend 'fla', auto's choice on CUDA; forward and backward)",
-              "its Triton dots keep tl.dot's default precision; set the KDA backend to 'torch' (model.plain_torch() "
-              "sets every switch) for fp32 products", q, k, v)
+    warn_tf32("KDA: fla-core's chunk_kda (kernels.kda 'fla', auto's choice on CUDA; forward and backward)",
+              "its Triton dots keep tl.dot's default precision; set kernels.kda = 'torch' for fp32 products", q, k, v)
     if chunk_size not in (32, 64):
         raise ValueError(f"the fla KDA kernel takes chunk_size 32 or 64; got {chunk_size}. Set model.kda_chunk_size to 64.")
     if q.shape[-1] > 256:
@@ -100,7 +105,7 @@ def fla_recurrent_kda(
 
     _require(q)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g_raw, beta, A_log, dt_bias)):
-        raise RuntimeError("fla's fused_recurrent_kda has no backward; run decoding under torch.no_grad() or use backend='torch'.")
+        raise RuntimeError("fla's fused_recurrent_kda has no backward; run decoding under torch.no_grad() or use kernels.kda = 'torch'.")
     return fused_recurrent_kda(
         q, k, v, g_raw, beta,
         **_common_kwargs(q, A_log, dt_bias, lower_bound, scale, initial_state, output_final_state, cu_seqlens),
@@ -110,8 +115,8 @@ def fla_recurrent_kda(
 def fla_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                       window: torch.Tensor | None = None):
     """SiLU(depthwise causal conv) of x [B, T, C] with weight [C, W] through fla's Triton kernel: the same
-    function as KimiDeltaAttention._short_conv's torch path (weight[:, W-1] multiplies the current token,
-    taps never cross a cu_seqlens boundary), in x's layout and dtype (no transposes or fp32 copies).
+    function as `naive.causal_conv1d` (weight[:, W-1] multiplies the current token, taps never cross a
+    cu_seqlens boundary), in x's layout and dtype (no transposes or fp32 copies).
 
     With `window` [B, C, W-1] (the W-1 inputs before x, oldest first; not with cu_seqlens) it returns
     (y, the new window), both differentiable: fla's state is [B, C, W] with column W + j holding input
@@ -137,7 +142,7 @@ def fla_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.T
 
 def fla_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * RMSNorm(x) * sigmoid(gate) over the last dim, in x's dtype, through fla's fused Triton
-    kernel: the same function as layers.norms.GatedRMSNorm (fp32 inside), which keeps four fp32 copies
+    kernel: the same function as `naive.gated_rms_norm` (fp32 inside), which keeps four fp32 copies
     of x's size for backward where fla's keeps x, the gate and one fp32 rstd per row."""
     _require(x, gate)
     from fla.modules.norm.fused_norm_gate import rms_norm_gated

@@ -9,8 +9,9 @@ Per head, with k (and q) L2-normalised, g <= 0 a per-key-channel log decay and b
 at a time (the WY / UT-transform form) and is what training uses on the CPU; `kda_step` is the
 decode step. Everything runs in fp32 (fp64 when the inputs are fp64), whatever the input dtype,
 because the state accumulates rounding over the whole sequence. All three are ordinary autograd
-code. The layer-level helpers `l2norm` and `kda_gate` live here too, so the fla wrapper and its
-test can state their contract in terms of them.
+code. The layer-level helpers `l2norm` and `kda_gate`, the short conv before the recurrence
+(`causal_conv1d`) and the gated output norm after it (`gated_rms_norm`) live here too, so the fla
+wrappers (`fla.py`) and their tests can state their contracts in terms of them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["kda_chunk", "kda_gate", "kda_recurrent", "kda_step", "l2norm"]
+__all__ = ["causal_conv1d", "gated_rms_norm", "kda_chunk", "kda_gate", "kda_recurrent", "kda_step", "l2norm"]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -30,9 +31,10 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _outside_autocast(fn):
     """Run `fn` with autocast off on its inputs' device: its casts to fp32 are otherwise undone by
-    autocast, which runs matmuls and einsums in bf16 (the state S was then rounded to bf16 between
-    chunks, and the decode step read it through bf16 einsums: 5.7e-3 rel-RMS between the training and
-    decode paths of one layer on identical inputs, against 0.3e-3 in fp32; bench/decode_drift_layers.py)."""
+    autocast, which runs matmuls and einsums in bf16. Under autocast the state S would be rounded to bf16
+    between chunks and the decode step would read it through bf16 einsums: 5.7e-3 rel-RMS between the
+    training and decode paths of one layer on identical inputs, against 0.3e-3 in fp32
+    (`tests/ops/test_kda.py::test_twin_computes_in_fp32_under_autocast` holds it to autocast-off's result)."""
 
     @functools.wraps(fn)
     def run(q, *a, **kw):
@@ -255,3 +257,43 @@ def kda_chunk(q, k, v, g, beta, scale, initial_state=None, output_final_state=Fa
     o = o[:, :, :T] if dst is None else o[:, :, dst]
     final = (finals[0] if bounds is None else torch.cat(finals, 0)) if output_final_state else None
     return o.transpose(1, 2).to(out_dtype), final
+
+
+# ------------------------------------------------------------------------------ short conv, output norm
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                  window: torch.Tensor | None = None):
+    """SiLU(depthwise causal conv) of x [B, T, C] with weight [C, W] (weight[:, W-1] multiplies the current
+    token), computed in the weight's dtype and returned in x's; taps never cross a cu_seqlens boundary.
+
+    With `window` [B, C, W-1] (the W-1 inputs before x, oldest first; not with cu_seqlens) it returns
+    (y, the new window in the weight's dtype). The contract of `fla.fla_causal_conv1d`."""
+    _, T, C = x.shape
+    W = weight.shape[-1]
+    w = weight.unsqueeze(1)  # [C, 1, W]
+    xt = x.transpose(1, 2).to(w.dtype)  # [B, C, T]
+    if window is not None:
+        if cu_seqlens is not None:
+            raise ValueError("causal_conv1d: a window continues unpacked rows; drop cu_seqlens.")
+        xt = torch.cat([window.to(w.dtype), xt], -1)
+        y = F.conv1d(xt, w, groups=C)
+        return F.silu(y).transpose(1, 2).to(x.dtype), xt[..., xt.shape[-1] - (W - 1):]
+    if cu_seqlens is None:
+        y = F.conv1d(F.pad(xt, (W - 1, 0)), w, groups=C)
+    else:
+        starts = cu_seqlens.to(device=x.device, dtype=torch.long)
+        pos = torch.arange(T, device=x.device)
+        pos = pos - starts[torch.searchsorted(starts, pos, right=True) - 1]  # position inside its document
+        y = xt * w[:, :, W - 1]
+        for i in range(1, W):  # tap i reads x_{t-i}: valid when the token is >= i into its document
+            y = y + F.pad(xt, (i, 0))[..., :T] * w[:, :, W - 1 - i] * (pos >= i)
+    return F.silu(y).transpose(1, 2).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * RMSNorm(x) * sigmoid(gate) over the last dim, in x's dtype. Computed in fp32, or fp64 for
+    fp64 inputs (the KDA twin's exact checks: an fp32 rounding here made them differ by 1e-7 relative).
+    The contract of `fla.fla_gated_rms_norm`."""
+    cd = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(cd)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(cd) * xf * torch.sigmoid(gate.to(cd))).to(x.dtype)

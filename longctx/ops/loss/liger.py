@@ -6,7 +6,7 @@ Contract. For h [N, D], the head weight w [V, D] and labels y [N] (ignore_index 
     liger_loss_sum(h, w, y)      == liger_token_losses(h, w, y).sum()
 
 forward and backward (h and w), within bf16 rounding (tests/ops/test_loss_gpu.py checks it against
-the model's chunked torch path). Ignored rows have loss 0 and no gradient. Under autocast the logits
+`naive.token_losses_torch`, the model's chunked torch path). Ignored rows have loss 0 and no gradient. Under autocast the logits
 are computed in the autocast dtype, as `F.linear` does; liger's CE kernel reads them in fp32.
 
 liger-kernel 0.8.5 supports reduction="none" with a correct backward: it keeps h and w and, in the
@@ -31,21 +31,17 @@ import re
 
 import torch
 
-from ...errors import ConfigError, warn_fallback
-
 __all__ = [
     "LIGER_MIN_VERSION",
     "LIGER_ROWS_PER_CALL",
-    "LOSS_IMPLS",
     "check_loss_args",
+    "import_error",
     "liger_available",
     "liger_loss_sum",
     "liger_token_losses",
     "liger_version",
-    "resolve_loss_impl",
 ]
 
-LOSS_IMPLS = ("auto", "torch", "liger")
 LIGER_MIN_VERSION = "0.8.5"  # the release read and tested here (per-token-correct reduction="none" backward)
 LIGER_ROWS_PER_CALL = 65536  # rows per liger call from the model (bounds liger's transient, see above)
 
@@ -90,41 +86,14 @@ def _import_error() -> str | None:
     return liger_import_error(_import_flce, "reduction='none' backward")
 
 
+def import_error() -> str | None:
+    """Why liger's fused linear + cross entropy cannot be imported, or None."""
+    return _import_error()
+
+
 def liger_available() -> bool:
     """True when liger-kernel (>= 0.8.5) imports and a CUDA device is present."""
     return torch.cuda.is_available() and _import_error() is None
-
-
-
-
-def resolve_loss_impl(impl: str, h: torch.Tensor, chunked: bool = True) -> str:
-    """Which loss implementation runs for `loss_impl = impl` on hidden states `h`: "torch" or "liger".
-
-    auto: liger on CUDA when it imports and the memory plan's loss chunking is on (`chunked`); with
-    `loss_chunk` off (the baseline plan: logits materialised) auto stays the plain torch head. On CUDA
-    without liger, auto warns once and runs torch. liger: raises ConfigError when it cannot run.
-    """
-    if impl not in LOSS_IMPLS:
-        raise ConfigError(f"loss_impl must be one of {', '.join(LOSS_IMPLS)} (got {impl!r}).")
-    if impl == "torch":
-        return "torch"
-    if impl == "liger":
-        if not h.is_cuda or not liger_available():
-            err = _import_error()
-            raise ConfigError(
-                f"loss_impl 'liger' needs CUDA tensors and liger-kernel >= {LIGER_MIN_VERSION} (hidden states on "
-                f"{h.device}, liger {'importable' if err is None else 'not importable: ' + err}); install liger-kernel=="
-                f"{LIGER_MIN_VERSION} (`pip install -e .[gpu]`) or set loss_impl to 'auto' or 'torch'."
-            )
-        return "liger"
-    if not h.is_cuda or not chunked:
-        return "torch"
-    if not liger_available():
-        warn_fallback("the LM loss runs the plain-torch chunked head on CUDA because liger-kernel is not importable "
-                   f"({_import_error()}); install liger-kernel=={LIGER_MIN_VERSION} (`pip install -e .[gpu]`) or set "
-                   "loss_impl = 'torch' to accept it.")
-        return "torch"
-    return "liger"
 
 
 def check_loss_args(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:

@@ -1,13 +1,12 @@
 """mHC (manifold-constrained hyper-connections) through liger-kernel's Triton ops (CUDA only), imported lazily.
 
 Contract: with the parameters of `longctx.layers.residual.MHC` (fn [(2+n)n, nD], base [(2+n)n] fp32,
-scale [3] fp32) and streams [..., n, D],
+scale [3] fp32) and streams [..., n, D], the functions of `naive.py`:
 
-    pre, post, comb = liger_mhc_coefficients(streams, fn, base, scale, iters=, hc_eps=, norm_eps=)
-        == MHC.coefficients(streams)                               (comb[..., j, i]: stream j -> i)
-    liger_mhc_pre(streams, pre)             == (pre[..., None] * streams).sum(-2).to(streams.dtype)
-    liger_mhc_post_res(streams, y, post, comb)
-        == post[..., None] * y[..., None, :] + comb^T @ streams      (out[i] = post[i] y + sum_j comb[j, i] s[j])
+    liger_mhc_coefficients(streams, fn, base, scale, iters=, hc_eps=, norm_eps=)
+        == naive.mhc_coefficients(streams, fn, base, scale, ...)   (comb[..., j, i]: stream j -> i)
+    liger_mhc_pre(streams, pre)                == naive.mhc_pre(streams, pre)
+    liger_mhc_post_res(streams, y, post, comb) == naive.mhc_post_res(streams, y, post, comb)
 
 forward and backward, within bf16 rounding (tests/ops/test_mhc_gpu.py). The mapping onto liger 0.8.5's
 `liger_mhc_coeffs` / `liger_mhc_pre` / `liger_mhc_post_res`:
@@ -26,18 +25,17 @@ forward and backward, within bf16 rounding (tests/ops/test_mhc_gpu.py). The mapp
   Backward keeps the Sinkhorn history, tmax * n^2 fp32 per token, and the bf16 streams; no fp32
   copy of the streams is saved, so MHC.recompute_cast has nothing to do on this path.
 - `chunk` (memory.mhc_chunk, on by default): the pre and post-res ops run liger's kernels over that many
-  tokens at a time instead of through liger's autograd Functions, whose whole-sequence fp32 copies were
-  the 256k step's peak (below, before `_spans`).
+  tokens at a time instead of through liger's autograd Functions, whose whole-sequence fp32 copies would
+  be the 256k step's peak (below, before `_spans`).
 - Every launch takes at most `launch_rows(n * D)` tokens: liger's kernels address a token's row as
   row x row-stride in int32, so past 2^31 elements they read and write outside their tensors (h200-ref's
-  streams hold 6,144 elements a token: 349,525 tokens). Found by reading the kernels after call 41's
-  illegal memory access at 524,288 tokens, which has a second cause not located yet (bench/NOTES.md, calls
-  41-42). Longer inputs go through in pieces, the same ops on each.
-- `PROJECTION` = "triton" (the default since call 45) computes the coefficients' projection with our
-  kernels (ops/mhc_project_triton.py; liger's took 0.28 s of a 128k step, ~6x their byte floor) and keeps
-  liger's Sinkhorn kernels (`_Coefficients`); "liger" runs liger's whole coefficient Function. H200, 128k
-  tokens (bench/results/mhc_project.json): forward 2.99 -> 1.35 ms, backward 5.84 -> 2.68 ms a call; the
-  128k step 3.50 -> 3.36 s (bench/NOTES.md).
+  streams hold 6,144 elements a token: 349,525 tokens). Longer inputs go through in pieces, the same ops
+  on each (`tests/ops/test_mhc_liger.py` on the CPU; `tests/ops/test_int32_gpu.py` at 524,288 tokens).
+- The coefficients' projection runs our kernels (`triton.py`; liger's take 0.28 s of a 128k step, ~6x
+  their byte floor) with liger's Sinkhorn kernels around them (`_Coefficients`) for up to 8 streams, where
+  our tiles fit the SM's shared memory; wider streams run liger's whole coefficient Function
+  (`projection`). H200, 128k tokens (`python bench/mhc.py --project`, bench/results/mhc.json): forward
+  2.99 -> 1.35 ms, backward 5.84 -> 2.68 ms a call; the 128k step 3.50 -> 3.36 s.
 """
 
 from __future__ import annotations
@@ -109,10 +107,11 @@ def check_mhc_args(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, 
         raise ValueError(f"liger mHC takes streams [..., n, D]; got {tuple(streams.shape)}.")
     n, D = streams.shape[-2:]
     if not streams_supported(n):
-        raise ConfigError(f"residual_impl 'liger' takes model.hc_streams a power of two <= {MAX_STREAMS} (streams "
-                          f"{tuple(streams.shape)} have n = {n}); set residual_impl to 'torch' or change hc_streams.")
+        raise ConfigError(f"kernels.mhc 'liger' takes model.hc_streams a power of two <= {MAX_STREAMS} (streams "
+                          f"{tuple(streams.shape)} have n = {n}); set kernels.mhc to 'torch' or change hc_streams.")
     if iters < 1:
-        raise ConfigError(f"residual_impl 'liger' needs model.hc_sinkhorn_iters >= 1 (got {iters}).")
+        raise ConfigError(f"kernels.mhc 'liger' needs model.hc_sinkhorn_iters >= 1 (got {iters}); raise it or set "
+                          "kernels.mhc to 'torch'.")
     M = (2 + n) * n
     if fn.shape != (M, n * D):
         raise ValueError(f"liger mHC: fn {tuple(fn.shape)} must be [(2+n)n, nD] = [{M}, {n * D}] for streams "
@@ -143,9 +142,9 @@ def liger_mhc_coefficients(streams: torch.Tensor, fn: torch.Tensor, base: torch.
 
     ours = projection(n) == "triton"
     if not ours:
-        warn_tf32("mHC: liger-kernel's coefficient projection (liger_mhc_coeffs, which runs for hc_streams > "
-                  f"{PROJECT_MAX_STREAMS} or mhc_liger.PROJECTION = 'liger')",
-                  "its Triton dot keeps tl.dot's default precision; set residual_impl = 'torch' for fp32 products",
+        warn_tf32(f"mHC: liger-kernel's coefficient projection (liger_mhc_coeffs, which runs for hc_streams > "
+                  f"{PROJECT_MAX_STREAMS})",
+                  "its Triton dot keeps tl.dot's default precision; set kernels.mhc = 'torch' for fp32 products",
                   streams)
 
     def coeffs(x):
@@ -196,43 +195,34 @@ def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tenso
 # writes an fp32 [N, n, D] (post-res) or [N, D] (pre) output and casts it; the backward copies the
 # incoming bf16 gradient to fp32 and writes fp32 input gradients, then casts them. For post-res that is
 # N x (n D x 10 + D x 6) bytes alive at the start of a block's backward, 17.25 GiB at 256k tokens for
-# h200-ref: the measured peak's excess over the estimate (bench/results/memory_runs/16_peak_262144_*.txt).
+# h200-ref, which is what a 256k step's peak exceeds its estimate by when they run (`python bench/memory.py
+# --peak 262144:mhc_chunk_off` prints each phase's peak beside the estimate).
 # The Functions below call the same kernels on `chunk` tokens at a time and let them store straight into
 # the bf16 outputs and input gradients (a Triton store converts its fp32 value to the pointer's type,
 # round-to-nearest-even as torch's cast; with an fp32 buffer and a copy kernel per chunk a 128k step's
-# copies and casts took 368 ms, without them 243 ms: bench/results/memory_runs/29_* and 31_*_stacks.txt),
-# and hand the kernels the bf16 gradient directly (they load it and convert to fp32 themselves, exactly). On the H200 (call 31)
-# the outputs and the pre op's input gradient are liger's Functions' bit for bit, the post-res op's input
-# gradients within 1.2e-5 rel-RMS (a bf16 gradient where liger's Function passes an fp32 copy compiles
-# another kernel: tests/mhc_chunk_check.py). Under the Triton interpreter they agree to one bf16 step:
+# copies and casts take 368 ms, without them 243 ms: `python bench/memory.py --profile 131072
+# --profile-stacks`), and hand the kernels the bf16 gradient directly (they load it and convert to fp32
+# themselves, exactly). On the H200 the outputs and the pre op's input gradient are liger's Functions' bit
+# for bit, the post-res op's input gradients within 1.2e-5 rel-RMS (a bf16 gradient where liger's Function
+# passes an fp32 copy compiles another kernel: tests/mhc_chunk_check.py). Under the Triton interpreter they agree to one bf16 step:
 # the interpreter's fp32 -> bf16 store truncates where the GPU rounds to nearest. The atomically
 # accumulated coefficient gradients may differ in summation order, as between two runs of liger's own.
 # What stays: the bf16 outputs and gradients and the fp32 coefficient gradients ([N, n] and [N, n, n]).
-# `chunk` now only bounds a launch (the kernels' fp32 temporaries live in registers).
+# `chunk` only bounds a launch (the kernels' fp32 temporaries live in registers).
 
 
-# Which projection the coefficients run: "triton" (`_Coefficients`: ours, ops/mhc_project_triton.py, with
-# liger's Sinkhorn kernels; the default since the H200 timed it, call 45) or "liger" (liger's coefficient
-# Function, what every measurement before call 45 ran). The step's impl record says "mhc:liger+triton-proj"
-# for the first.
-PROJECTION = "triton"
 # Our projection's tiles hold the [*, (2 + n) n] product in registers and fn^T's [64, (2 + n) n] fp32 slice in
 # shared memory per stage: at n = 8 (M = 80, padded to 128) the sm_90 build fits (bwd 160 KiB shared, no
 # spills); at n = 16 (M = 288 -> 512) it needs 392 / 640 KiB of shared memory and cannot launch
-# (`python bench/compile_sm90.py`-style builds). Wider streams run liger's projection, said once.
+# (`python dev/compile_sm90.py`). Wider streams run liger's projection.
 PROJECT_MAX_STREAMS = 8
 
 
 def projection(n: int) -> str:
-    """Which projection the coefficients of n streams run: PROJECTION, or "liger" (with a warning) where
-    ours does not take n."""
-    if PROJECTION == "triton" and n > PROJECT_MAX_STREAMS:
-        from ...errors import warn_fallback
-
-        warn_fallback(f"mHC coefficient projection: our Triton kernel takes hc_streams <= {PROJECT_MAX_STREAMS} "
-                      f"(got {n}); liger's projection runs instead (the step record says mhc:liger)")
-        return "liger"
-    return PROJECTION
+    """Which projection the coefficients of n streams run: "triton" (ours, `_Coefficients`) up to
+    PROJECT_MAX_STREAMS, "liger" (liger's coefficient Function) beyond; the step's implementation record
+    says mhc:liger+triton-proj or mhc:liger."""
+    return "triton" if n <= PROJECT_MAX_STREAMS else "liger"
 
 
 class _Coefficients(torch.autograd.Function):

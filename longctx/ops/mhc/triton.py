@@ -1,11 +1,11 @@
 """mHC's coefficient projection, mix = RMSNorm(x) @ fn^T, forward and backward in Triton: the costly part of
 liger's coefficient Function (x the flattened streams [N, nD], fn [M, nD] with M = (2+n)n; the plain-torch
-twin is `layers.residual._mhc_project`). The model runs it by default (`mhc_liger.PROJECTION = "triton"`;
-"liger" for liger's): on the H200 2.2x liger's kernels at 128k tokens (`python bench/mhc.py --project`,
-bench/results/mhc_project.json; bench/NOTES.md).
+twin is `naive.mhc_project`). The liger path runs it for up to 8 streams (`liger.projection`): on the H200
+2.2x liger's kernels at 128k tokens (`python bench/mhc.py --project`, bench/results/mhc.json).
 
-Why. Call 35's 128k profile: liger's `_mhc_mm_norm_fwd_kernel` 2.9 ms a call (48 a step), its backward
-5.9 ms (24 a step): 0.28 s of that 3.8 s profiled step. Reading liger's sm_90 build (`python bench/compile_sm90.py`):
+Why. In a 128k step with liger's projection, liger's `_mhc_mm_norm_fwd_kernel` takes 2.9 ms a call (48 a
+step) and its backward 5.9 ms (24 a step):
+0.28 s of a 3.8 s profiled step. Reading liger's sm_90 build (`python dev/compile_sm90.py`):
 the forward unrolls its whole K loop (`tl.static_range` over nD = 6,144), 255 registers with 592 bytes
 spilled, mma.sync rather than wgmma, and reloads fn's 786 KB for every 32 rows; the backward adds every
 program's [256, 24] slice of grad fn with acq_rel atomics, 4,096 programs onto the same 147 K addresses
@@ -18,8 +18,8 @@ invr = rsqrt(mean(x^2) + eps). Backward, with g = grad mix: grad x = (g * invr) 
 f = -(g . mix) invr^2 / K per row (torch forms g * invr and f: [N, M] and [N], small); grad fn =
 (g * invr)^T @ x. A program per (K block, ROW_BLOCKS x BLOCK_N rows) writes its rows' grad x and sums
 their grad fn slice in registers, then adds it once with a relaxed atomic (N / 512 adds an address).
-Prediction (not measured): forward ~0.6-0.8 ms, backward ~1.2-1.5 ms a call at 128k tokens, against
-liger's 2.9 and 5.9: ~0.2 s of a 128k step.
+Counted: forward ~0.6-0.8 ms, backward ~1.2-1.5 ms a call at 128k tokens; measured on the H200: 1.35 and
+2.68 ms against liger's 2.99 and 5.84 (bench/results/mhc.json).
 Products as liger's: x in fp32, tf32 tensor-core dots with fp32 accumulation ("ieee" for fp32 checks).
 """
 
@@ -32,8 +32,8 @@ import triton.language as tl
 from .. import triton_interpreting as interpreting
 from ..triton_utils import round_rne
 
-# Launch configs, chosen from their sm_90 builds (bench/compile_sm90.py: no spills, wgmma products; the
-# forward 255 registers at these blocks, the backward 170) until the H200 times the alternatives.
+# Launch configs, chosen from their sm_90 builds (dev/compile_sm90.py: no spills, wgmma products; the
+# forward 255 registers at these blocks, the backward 170), not from a timing sweep on the GPU.
 FWD = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 BWD = {"BLOCK_N": 128, "BLOCK_K": 64, "ROW_BLOCKS": 4, "num_warps": 8, "num_stages": 2}
 

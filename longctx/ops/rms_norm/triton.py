@@ -1,13 +1,13 @@
-"""Fused RMSNorm forward and backward in Triton, with `norms._RMSNormFn`'s arithmetic and saved tensors.
+"""Fused RMSNorm forward and backward in Triton, with `naive.RMSNormFn`'s arithmetic and saved tensors.
 
 Why. The torch form runs ~8 kernels a forward (an fp32 copy of x, square, mean, rsqrt, scale, a cast,
 the weight product, a cast) and more in backward, each a pass over [tokens, hidden]; at h200-ref's
-width the norms' casts alone were ~0.15 s of a 128k step (`bench/memory.py --profile-stacks`, call 31:
-the norms' backward 64 ms, the forward's and the recompute's ~90 ms). One row per program here reads x
+width the norms' casts alone are ~0.15 s of a 128k step (`bench/memory.py --profile-stacks`: the norms'
+backward 64 ms, the forward's and the recompute's ~90 ms). One row per program here reads x
 once and writes y once, and the backward reads x and dy once and writes dx once (dw from per-program
-partial sums). Saved for backward: x (its own dtype) and one fp32 rstd per row, as `_RMSNormFn`.
+partial sums). Saved for backward: x (its own dtype) and one fp32 rstd per row, as `RMSNormFn`.
 
-Arithmetic (as `_RMSNormFn`): rstd = 1/sqrt(mean(x^2) + eps) in fp32; y = weight * (x * rstd rounded to
+Arithmetic (as `RMSNormFn`): rstd = 1/sqrt(mean(x^2) + eps) in fp32; y = weight * (x * rstd rounded to
 x's dtype), rounded to x's dtype; dx = rstd (g - xhat mean(g xhat)) with g = dy weight, xhat = x rstd;
 dw = sum over rows of dy (x rstd rounded to x's dtype). Sums run in another order than torch's, so
 results agree to fp32 rounding (tests/ops/test_rms_norm.py under the interpreter; the GPU test in
@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...errors import ConfigError
 from .. import triton_interpreting as interpreting
 from ..triton_utils import round_rne as _round
 
@@ -29,27 +28,18 @@ MAX_WIDTH = 16384  # one row per program: the whole row lives in registers
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def check_supported(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """A ConfigError naming the shape and what the kernel takes, where it cannot run (never a silent
-    fallback: the layer's `auto` checks `runs_here` first)."""
+def rejects(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why the kernels cannot take these inputs (the rule in `ops.pick` turns it into auto's warning or
+    an explicit setting's ConfigError), or None."""
     D = x.shape[-1]
     if x.device.type != "cuda" and not interpreting():
-        raise ConfigError(f"RMSNorm 'triton' (setting norm_impl) needs CUDA tensors (got {x.device}); "
-                          "set norm_impl to 'auto' or 'torch'.")
+        return f"the Triton RMSNorm runs on CUDA tensors, and x is on {x.device}"
     if x.dtype not in DTYPES or weight.dtype not in DTYPES:
-        raise ConfigError(f"RMSNorm 'triton' takes bf16, fp16 or fp32 (got x {x.dtype}, weight {weight.dtype}); "
-                          "set norm_impl to 'torch'.")
+        return f"the Triton RMSNorm takes bf16, fp16 or fp32, not x {x.dtype} with weight {weight.dtype}"
     if not 1 <= D <= MAX_WIDTH or weight.shape != (D,):
-        raise ConfigError(f"RMSNorm 'triton' takes rows of 1..{MAX_WIDTH} with a weight of the row's width (got x "
-                          f"{tuple(x.shape)}, weight {tuple(weight.shape)}); set norm_impl to 'torch'.")
-
-
-def runs_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    try:
-        check_supported(x, weight)
-    except ConfigError:
-        return False
-    return True
+        return (f"the Triton RMSNorm takes rows of 1..{MAX_WIDTH} with a weight of the row's width, not x "
+                f"{tuple(x.shape)} with weight {tuple(weight.shape)}")
+    return None
 
 
 @triton.jit
@@ -103,7 +93,9 @@ def _rows_per_program(M: int, device: torch.device) -> int:
 class TritonRMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        check_supported(x, weight)
+        why = rejects(x, weight)
+        if why is not None:
+            raise ValueError(f"rms_norm_triton: {why}.")
         D = x.shape[-1]
         x2 = x.reshape(-1, D).contiguous()
         M = x2.shape[0]

@@ -1,11 +1,21 @@
-"""DSA sparse attention: the plain-torch twin (`naive.py`) and, on CUDA, our Triton kernel."""
+"""DSA sparse attention (`kernels.sparse_attention`): the plain-torch twin (`naive.py`) and our Triton
+kernel (`triton.py`), which gathers each selected latent row once per tile for all heads."""
 
-from .naive import dense_masked_attention, kept_sparse_attention_torch, sparse_attention_bwd_torch, sparse_attention_torch
+from __future__ import annotations
 
-try:  # triton is optional on the CPU; the DSA layer reports which implementation ran
-    from .triton import kept_sparse_attention_triton, sparse_attention_fwd, sparse_attention_triton
-except ImportError:  # pragma: no cover - exercised only without triton installed
-    sparse_attention_triton = sparse_attention_fwd = kept_sparse_attention_triton = None
+from .. import fast_path_problem, lazy_attr, module_import_error
 
-__all__ = ["sparse_attention_torch", "dense_masked_attention", "sparse_attention_triton", "sparse_attention_fwd",
-           "sparse_attention_bwd_torch", "kept_sparse_attention_torch", "kept_sparse_attention_triton"]
+IMPLS = ("auto", "torch", "triton")
+
+_TWINS = {n: "naive" for n in ("dense_masked_attention", "kept_sparse_attention_torch", "sparse_attention_bwd_torch",
+                               "sparse_attention_torch")}
+__all__ = ["IMPLS", "unavailable", *_TWINS]
+
+
+def __getattr__(name: str):
+    return lazy_attr(__name__, _TWINS, name)
+
+
+def unavailable(device, cfg=None) -> str | None:
+    """Why the Triton kernel cannot run on `device`, or None. Shapes it cannot take raise its ValueError."""
+    return fast_path_problem(device, lambda: module_import_error(f"{__name__}.triton"), "triton", interpreter=True)

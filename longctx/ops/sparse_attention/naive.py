@@ -90,7 +90,7 @@ def _dense_fp32(q, kv, idx, scale):
 
 def sparse_attention_bwd_torch(q, kv, idx, o, lse, do, scale: float, chunk: int = 256):
     """The backward of sparse attention from the forward's output and log-sum-exp, in torch: the twin of
-    the Triton kernel's backward (`triton_kernel.sparse_attention_bwd`). Returns (dq like q, dkv like kv).
+    the Triton kernel's backward (`triton.sparse_attention_bwd`). Returns (dq like q, dkv like kv).
 
     With p = exp(scale q.c_j - lse) over the selected rows and Dt = sum_d dO o:
     dq = scale sum_j p_j (dO.c_j - Dt) c_j, dc_j += p_j dO + scale p_j (dO.c_j - Dt) q (summed over heads

@@ -12,7 +12,8 @@ latent row once per tile for all of them. The row is both key and value, so one 
 feeds both the score product and the value product. The backward recomputes P from the saved
 log-sum-exp, keeps dQ in registers for the whole index list, and scatters dKV with fp32 atomics
 (many queries select the same rows; a repeated index within one query also just adds up).
-Tile sizes, the measured rates and the dead ends are in bench/NOTES.md.
+What bounds each kernel and the designs that cost more are in docs/design/sparse_attention.md; the
+measured rates come from `python bench/sparse_attention.py` (bench/results/sparse_attention.json).
 
 Runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (the CPU tests do that).
 Shapes it cannot take raise a ValueError; there is no fallback path.
@@ -69,7 +70,7 @@ def _sparse_attn_fwd(
     b = tl.program_id(2).to(tl.int64)
 
     # int64: a head-major q (torch's einsum output, [B, S, H, D] with head stride S * D) puts (H - 1) x that past
-    # 2^31 elements from 279,621 tokens at D = 512 (the 512k step's backward fault, call 46)
+    # 2^31 elements from 279,621 tokens at D = 512 (tests/ops/test_int32_gpu.py runs 524,288)
     offs_h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -147,7 +148,7 @@ def _sparse_attn_bwd(
     b = tl.program_id(2).to(tl.int64)
 
     # int64: a head-major q (torch's einsum output, [B, S, H, D] with head stride S * D) puts (H - 1) x that past
-    # 2^31 elements from 279,621 tokens at D = 512 (the 512k step's backward fault, call 46)
+    # 2^31 elements from 279,621 tokens at D = 512 (tests/ops/test_int32_gpu.py runs 524,288)
     offs_h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -236,7 +237,7 @@ def _check(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> None:
 def _cfg(H: int, D: int, backward: bool) -> dict:
     """Tile sizes (no autotuning: compiles cost minutes). Up to 64 heads per program: an fp32
     [64, 512] accumulator is half the register file. Chosen from register/shared-memory counts
-    of sm_90 builds and the sweep in bench/sparse_attention.py (see bench/NOTES.md)."""
+    of sm_90 builds (`python dev/compile_sm90.py`) and the sweep in `bench/sparse_attention.py --sweep`."""
     block_h = 64 if H > 32 else max(16, triton.next_power_of_2(H))
     block_d = triton.next_power_of_2(D)
     big = block_h * block_d >= 64 * 256

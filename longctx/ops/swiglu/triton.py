@@ -1,12 +1,12 @@
 """Fused clamped SwiGLU, silu(min(gate, limit)) * clamp(up, -limit, limit), forward and backward in Triton,
-with `layers.mlp`'s arithmetic and saved tensors.
+with `naive.py`'s arithmetic and saved tensors.
 
-Why. The torch form (`mlp._ClampedSwiGLU[Packed]`) runs 4 kernels a forward (two clamps, the SiLU, the
+Why. The torch form (`naive.ClampedSwiGLU[Packed]`) runs 4 kernels a forward (two clamps, the SiLU, the
 product: ~9 passes over a [rows, I] tensor) and ~10 a backward (~25 passes, the masks included); at
 h200-ref's widths that is every MoE layer's 4 x S routed rows plus the shared expert and the dense MLP,
-in the forward, the block recompute and the backward (call 31's 128k profile: clamps 83 ms, the SiLU
+in the forward, the block recompute and the backward (a 128k step's profile: clamps 83 ms, the SiLU
 products and masks among the multiplies and wheres). Here the forward reads gate and up once and writes
-the product; the backward reads gate, up and dy once and writes both gradients. Count before measuring:
+the product; the backward reads gate, up and dy once and writes both gradients. The count:
 ~6.1 G elements of [rows, I] per 128k step; fwd 18 -> 6 bytes an element (twice: forward, recompute),
 bwd ~50 -> 10: ~0.39 TB less traffic, ~0.12 s at 3.3 TB/s (of a 3.9 s step).
 
@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...errors import ConfigError
 from .. import triton_interpreting as interpreting
 from ..triton_utils import round_rne
 
@@ -33,24 +32,22 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK = 1024  # columns per program (rows of the widths here: 768, 1536, 4096)
 
 
-def check_supported(*ts: torch.Tensor) -> None:
-    """A ConfigError naming what the kernel takes, where it cannot run (the layer's `auto` checks
-    `runs_here` first, and warns)."""
+def rejects(*ts: torch.Tensor) -> str | None:
+    """Why the kernels cannot take these inputs (the rule in `ops.pick` turns it into auto's warning or
+    an explicit setting's ConfigError), or None."""
     t = ts[0]
     if t.device.type != "cuda" and not interpreting():
-        raise ConfigError(f"SwiGLU 'triton' (setting swiglu_impl) needs CUDA tensors (got {t.device}); "
-                          "set swiglu_impl to 'auto' or 'torch'.")
+        return f"the Triton SwiGLU runs on CUDA tensors, and these are on {t.device}"
     if any(x.dtype != t.dtype for x in ts) or t.dtype not in DTYPES:
-        raise ConfigError(f"SwiGLU 'triton' takes bf16, fp16 or fp32 gate and up of one dtype (got "
-                          f"{', '.join(str(x.dtype) for x in ts)}); set swiglu_impl to 'torch'.")
+        return (f"the Triton SwiGLU takes bf16, fp16 or fp32 gate and up of one dtype, not "
+                f"{', '.join(str(x.dtype) for x in ts)}")
+    return None
 
 
-def runs_here(*ts: torch.Tensor) -> bool:
-    try:
-        check_supported(*ts)
-    except ConfigError:
-        return False
-    return True
+def _check(*ts: torch.Tensor) -> None:
+    why = rejects(*ts)
+    if why is not None:
+        raise ValueError(f"clamped_swiglu_triton: {why}.")
 
 
 @triton.jit
@@ -120,11 +117,11 @@ def _bwd(g2, u2, dy2, dg2, du2, limit: float) -> None:
 
 
 class TritonSwiGLUFn(torch.autograd.Function):
-    """gate, up [..., I] (one dtype) -> [..., I]; keeps gate and up for backward, as `mlp._ClampedSwiGLU`."""
+    """gate, up [..., I] (one dtype) -> [..., I]; keeps gate and up for backward, as `naive.ClampedSwiGLU`."""
 
     @staticmethod
     def forward(ctx, gate, up, limit):
-        check_supported(gate, up)
+        _check(gate, up)
         if gate.shape != up.shape:
             raise ValueError(f"clamped SwiGLU: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ.")
         g2, u2 = _rows(gate), _rows(up)
@@ -143,11 +140,11 @@ class TritonSwiGLUFn(torch.autograd.Function):
 
 class TritonSwiGLUPackedFn(torch.autograd.Function):
     """h = [gate | up] [..., 2I] -> [..., I]; keeps h and returns its gradient as one tensor, as
-    `mlp._ClampedSwiGLUPacked` (the experts' layout)."""
+    `naive.ClampedSwiGLUPacked` (the experts' layout)."""
 
     @staticmethod
     def forward(ctx, h, limit):
-        check_supported(h)
+        _check(h)
         h2 = _rows(h)
         n = h2.shape[1] // 2
         ctx.save_for_backward(h2)
