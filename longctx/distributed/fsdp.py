@@ -3,7 +3,7 @@
     mesh = build_mesh(world, ParallelConfig(cp=2))            # (dp, cp)
     model = parallelize(model, mesh)                           # after CP / recompute set-up, before the optimizer
     opt = make_optimizer(model, ...)                           # over the DTensor parameters
-    loss = loss_share(out.token_losses, labels, mesh)          # this rank's share of the global mean
+    loss = loss_share(out.lm_loss, labels, mesh)               # this rank's share of the global mean
     loss.backward(); clip_grad_norm_(model.parameters(), 1.0); opt.step()
 
 What is sharded, over what. One FSDP unit per block of `model.layers`, then the root (embedding, the
@@ -34,14 +34,18 @@ forward all-gathers and reshards, the recompute all-gathers again and registers 
 hooks on its outputs, and the Function's inner `torch.autograd.backward` fires them (the
 reduce-scatter of the block's gradient runs there). FSDP does not reshard after a forward that runs
 inside backward, so the recompute's gathered parameters serve its backward: two all-gathers and one
-reduce-scatter per block per step, as without recompute (a test counts them). Code that runs pieces of the root outside `model.forward` (the sequence-chunked
-step calls `embed_state`, `norm` and `chunked_token_losses` itself) must hold the root's
-parameters gathered around that work: `root_gathered(model)`.
+reduce-scatter per block per step, as without recompute (a test counts them).
+
+Not covered: code that uses the root's parameters outside `model.forward` — the sequence-chunked
+step calls `embed_state`, `norm` and `chunked_token_losses` itself. FSDP gathers a unit's
+parameters only around its module's forward (or methods registered with
+`register_fsdp_forward_method`) and reshards it once the gradient reaches that call's inputs, so
+the root must be split to match those calls before that step can run sharded: registering the two
+methods as they are frees the final norm's weight before its backward (the root's post-backward
+fires when the gradient reaches `chunked_token_losses`' input, which `norm` produced).
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -53,10 +57,10 @@ def shard_mesh(mesh):
     if mesh.ndim == 1:
         return mesh
     name = "_".join(mesh.mesh_dim_names)
-    try:  # flattened once per mesh; a second flatten of the same dims is refused by some torch versions
-        return mesh[name]
-    except (KeyError, RuntimeError, ValueError):
+    try:  # torch 2.13 returns the existing flattened mesh on a second call
         return mesh[tuple(mesh.mesh_dim_names)]._flatten(name)
+    except (KeyError, RuntimeError, ValueError):  # versions that refuse a second flatten of the same dims
+        return mesh[name]
 
 
 def _resolve_param_dtype(param_dtype, mesh):
@@ -90,13 +94,17 @@ def parallelize(model, mesh, *, param_dtype=None, reduce_dtype=torch.float32, re
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
     units = []
     if dtype is not None:
-        keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        # its input stays as it comes: the router saves x in the activation dtype for backward, and
+        # an fp32 cast here would double what it keeps (seed 000's "no fp32 copies")
+        keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
         for m in model.modules():
             if isinstance(m, Router):
                 units.append(fully_shard(m, mesh=fsdp_mesh, mp_policy=keep, reshard_after_forward=reshard_after_forward))
     for block in model.layers:
         units.append(fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward))
-    units.append(fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward))
+    # the root stays gathered from its forward to its backward, which opens with the LM head: FSDP's
+    # own choice for a root, and one all-gather fewer for the price of holding embedding + head
+    units.append(fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=False))
     for u in units:
         _sum_gradients(u)
     return model
@@ -109,17 +117,20 @@ def is_sharded(model) -> bool:
 
 
 # ---------------------------------------------------------------------- the step around a sharded model
-def loss_share(token_losses: torch.Tensor, labels: torch.Tensor, group=None) -> torch.Tensor:
-    """This rank's share of the global mean token loss: its tokens' loss sum over the label count
-    of all ranks in `group` (a process group or a mesh; None: this process alone). Summed over the
-    ranks it is the single-process loss; backpropagated, the summed gradients are its gradient."""
+def loss_share(lm_loss: torch.Tensor, labels: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's share of the global mean token loss, from the model's `lm_loss` (the mean over
+    this rank's labels): scaled by this rank's label count over that of all ranks in `group` (a
+    process group or a mesh; None: this process alone). Summed over the ranks it is the
+    single-process loss; backpropagated, the summed gradients are its gradient. A rank without
+    labels contributes 0."""
     n = (labels != -100).sum()
-    if group is not None:
-        if hasattr(group, "get_group"):
-            group = shard_mesh(group).get_group()
-        n = n.clone()
-        dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
-    return token_losses.sum() / n.clamp(min=1)
+    if group is None:
+        return lm_loss
+    if hasattr(group, "get_group"):
+        group = shard_mesh(group).get_group()
+    n_all = n.clone()
+    dist.all_reduce(n_all, op=dist.ReduceOp.SUM, group=group)
+    return lm_loss * (n / n_all.clamp(min=1)).to(lm_loss.dtype)
 
 
 def set_gradient_sync(model, sync: bool) -> None:
@@ -137,25 +148,11 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     Returns the total norm as a plain tensor (the same on every rank)."""
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type)
     if isinstance(norm, DTensor):  # a partial sum over the shards: reduce it to the whole norm
         norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
-
-
-@contextlib.contextmanager
-def root_gathered(model):
-    """Hold the root unit's parameters (embedding, final norm, LM head) gathered, for code that uses
-    them outside `model.forward`; gradients computed meanwhile are reduced by FSDP's post-backward."""
-    if not is_sharded(model):
-        yield model
-        return
-    model.unshard()
-    try:
-        yield model
-    finally:
-        model.reshard()
