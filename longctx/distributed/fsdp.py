@@ -95,7 +95,7 @@ def parallelize(model, mesh, *, param_dtype=None, reduce_dtype=torch.float32, re
     units = []
     if dtype is not None:
         # its input stays as it comes: the router saves x in the activation dtype for backward, and
-        # an fp32 cast here would double what it keeps (seed 000's "no fp32 copies")
+        # an fp32 cast here would double what it keeps (the memory plan's "no fp32 copies" rule)
         keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
         for m in model.modules():
             if isinstance(m, Router):
