@@ -670,7 +670,7 @@ def estimated_max_context(cfg, plan: MemoryPlan, start: int, cap: int, gpu: str,
 
 
 def estimate_phase(measured: str) -> str:
-    """The estimate's name (longctx/memory/estimate.py, phases_gpu_bytes) of a measured phase
+    """The estimate's name (longctx/memory/model_bytes.py, phases_gpu_bytes) of a measured phase
     (longctx/measure/peak.py, phase_peaks): chunk N/N is the backward sweep's first ('last chunk'), the
     others 'earlier chunks'; the forward and the loss is the estimate's end of the forward."""
     name = measured

@@ -75,7 +75,7 @@ def main() -> int:
         compile_one("sparse bwd, heads-major (default, H=16)", _sparse_attn_bwd, sparse_ptrs,
                     dict(sparse, BLOCK_N=16), num_warps=4),
     ]
-    # the fused RMSNorm at h200-ref's width (rows of 1536 in blocks of 2048, 8 warps: rms_norm_triton._warps)
+    # the fused RMSNorm at h200-ref's width (rows of 1536 in blocks of 2048, 8 warps: ops/rms_norm/triton.py _warps)
     norm_ptrs = {"X": "*bf16", "W": "*fp32", "Y": "*bf16", "DY": "*bf16", "DX": "*bf16", "RSTD": "*fp32",
                  "DW_PART": "*fp32", "eps": "fp32"}
     rows += [
@@ -83,7 +83,7 @@ def main() -> int:
         compile_one("RMSNorm bwd (256 rows a program)", _rms_norm_bwd, norm_ptrs,
                     dict(ROWS=256, BLOCK_D=2048, WANT_DW=True), num_warps=8),
     ]
-    # the fused clamped SwiGLU (bf16, blocks of 1024 columns, 4 warps: swiglu_triton)
+    # the fused clamped SwiGLU (bf16, blocks of 1024 columns, 4 warps: ops/swiglu/triton.py)
     swiglu_ptrs = {n: "*bf16" for n in ("G", "U", "Y", "DY", "DG", "DU")}
     swiglu_ptrs["limit"] = "fp32"
     rows += [

@@ -39,21 +39,9 @@ def _train(a) -> int:
 
 
 def _resolve_device(name: str):
-    """--device as torch's device; a CUDA device that this machine lacks is the user's mistake."""
-    import torch
+    from .devices import resolve_device
 
-    from .errors import ConfigError
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--device {name} needs a CUDA GPU, and none is visible; pass --device cpu or --device auto.")
-        index = int(name.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise ConfigError(f"--device {name} names GPU {index}, but only {torch.cuda.device_count()} are visible; "
-                              f"pass --device cuda:0 .. cuda:{torch.cuda.device_count() - 1}.")
-    return torch.device(name)
+    return resolve_device(name, "--device")
 
 
 def _load_model(path: str, device: str):

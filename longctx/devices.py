@@ -8,11 +8,18 @@ import torch
 from .errors import ConfigError
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, setting: str = "device") -> torch.device:
+    """`name` (auto, cpu, cuda, cuda:N) as torch's device; a CUDA device this machine lacks is the user's
+    mistake, said with the `setting` that named it (the config's `device`, the CLI's `--device`)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device is 'cuda' but no CUDA GPU is visible; set device=auto or device=cpu.")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{setting} {name} needs a CUDA GPU, and none is visible; set {setting} auto or cpu.")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"{setting} {name} names GPU {index}, but only {torch.cuda.device_count()} are visible; "
+                              f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}.")
     return torch.device(name)
 
 

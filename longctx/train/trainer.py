@@ -624,12 +624,10 @@ class Trainer:
             self.log(f"stage {si}: {stage.steps} steps at {stage.seq_len} tokens x {stage.batch_size}, lr {stage.lr}")
 
     def apply_memory(self, stage):
-        """Apply the stage's memory plan (see longctx.memory); a no-op until a plan is set."""
-        try:
-            from ..memory.plan import apply_plan
-            from ..memory.planner import plan_for_stage
-        except ImportError:
-            return
+        """Apply the stage's memory plan (see longctx.memory)."""
+        from ..memory.plan import apply_plan
+        from ..memory.planner import plan_for_stage
+
         plan = plan_for_stage(self.cfg, stage, self.device, self.cfg.stages.index(stage))
         if getattr(self.memory_policy, "close", None) is not None:
             self.memory_policy.close()  # the previous stage's kept pinned buffers
