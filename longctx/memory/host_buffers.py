@@ -18,6 +18,7 @@ from __future__ import annotations
 import warnings
 import weakref
 
+import numpy as np
 import torch
 
 _warned = False
@@ -42,9 +43,12 @@ def page_locked_empty(nbytes: int) -> torch.Tensor:
     # whole pages of our own: CUDA locks pages, and a page shared with another registered buffer (small
     # allocations share heap pages) would refuse the second registration
     pages = -(-nbytes // PAGE)
-    base = torch.empty((pages + 1) * PAGE, dtype=torch.uint8)
-    start = -base.data_ptr() % PAGE
-    raw = base[start:start + nbytes]
+    base = np.empty((pages + 1) * PAGE, dtype=np.uint8)
+    start = -base.ctypes.data % PAGE
+    # a tensor whose *storage* starts at the aligned page: torch's is_pinned (which the copies and the
+    # offloader consult) asks CUDA about the storage's first byte, and a slice of a larger tensor would
+    # keep the unregistered start of `base` as its storage pointer
+    raw = torch.from_numpy(base[start:start + nbytes])
     ptr = raw.data_ptr()
     err = _register(ptr, pages * PAGE)
     if err == 0:
