@@ -17,6 +17,7 @@ from pathlib import Path
 from .kernels import KernelConfig, check_replaced
 from .model import PRESETS as MODEL_PRESETS, ModelConfig, _check_types, _is_instance, _type_name
 from .model import preset as model_preset
+from .parallel import ParallelConfig
 from ..errors import ConfigError, did_you_mean
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -83,7 +84,8 @@ class TrainConfig:
     1024 then 4096 tokens). `preset` names where the config started; `model` is authoritative.
 
     `kernels` (the [kernels] table, longctx.config.kernels) says which backend runs each op: it changes
-    how, not what, the model computes.
+    how, not what, the model computes. `parallel` (longctx.config.parallel) says how the processes of a
+    torchrun launch split the work; a stage's batch_size is the global batch at any world size.
     """
 
     model: ModelConfig | None = None  # None = the preset's model
@@ -102,6 +104,7 @@ class TrainConfig:
     device: str = "auto"
     kernels: KernelConfig = field(default_factory=KernelConfig)  # which backend runs each op
     memory: dict = field(default_factory=dict)  # the memory plan; validated by the memory system
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how torchrun's processes share the work
     cuda_alloc: str = "expandable_segments:True"  # CUDA allocator settings (longctx.memory.allocator); "" = torch's
 
     # One line for --print-config and the run's model line when a model preset's vocabulary is raised to
@@ -146,6 +149,8 @@ class TrainConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         self.kernels.validate()
+        self.parallel.validate()
+        self.parallel.check_model(self.model)
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             raise ConfigError(
                 f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 256 ids; "
@@ -232,11 +237,15 @@ class TrainConfig:
         stages = base.stages if d.get("stages") is None else _stages_from(d["stages"])
         kernels_d = d.get("kernels", {})
         kernels = KernelConfig.from_dict({**base.kernels.to_dict(), **kernels_d} if isinstance(kernels_d, dict) else kernels_d)
-        rest = {k: v for k, v in d.items() if k not in ("model", "data", "stages", "preset", "kernels")}
+        parallel_d = d.get("parallel", {})
+        parallel = ParallelConfig.from_dict({**base.parallel.to_dict(), **parallel_d} if isinstance(parallel_d, dict)
+                                            else parallel_d)
+        rest = {k: v for k, v in d.items() if k not in ("model", "data", "stages", "preset", "kernels", "parallel")}
         note = None
         if name in MODEL_PRESETS and "vocab_size" not in model_d:
             model, note = _fit_vocab(model, name, data.tokenizer)
-        cfg = dataclasses.replace(base, preset=name, model=model, data=data, stages=stages, kernels=kernels, **rest)
+        cfg = dataclasses.replace(base, preset=name, model=model, data=data, stages=stages, kernels=kernels,
+                                  parallel=parallel, **rest)
         cfg.vocab_note = note
         return cfg.validate()
 

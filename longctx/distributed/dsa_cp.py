@@ -36,7 +36,7 @@ def _select_local(ind, x: torch.Tensor, q_latent: torch.Tensor, pk, spans) -> to
     absolute positions. int32 [B, T, width], sequence positions, -1 padded."""
     from ..layers import kpool_indexer as kp
 
-    impl = "torch" if ind.chunk is None and ind.backend == "auto" else ind._pick_backend(x.device)
+    impl = ind.pick(x.device)  # the layer's rule: with chunk None, auto is the plain-torch baseline
     n_pools = 0 if pk is None else pk.shape[1]
     out, off = [], 0
     for a, b in spans:
@@ -53,7 +53,7 @@ def _select_local(ind, x: torch.Tensor, q_latent: torch.Tensor, pk, spans) -> to
             for s0 in range(0, b - a, step):
                 s1 = min(b - a, s0 + step)
                 out.append(ind._select_block(xs[:, s0:s1], qs[:, s0:s1], pk, n_pools, a + s0))
-    ind.last_impl = ("indexer:triton-" + ind.kernel.replace("_", "-") if impl == "triton" else
+    ind.last_impl = ("indexer:triton-two-phase" if impl == "triton" else
                      "indexer:torch-unchunked" if ind.chunk is None else "indexer:torch-chunked") + "+cp"
     return torch.cat(out, 1)
 

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
-from .mesh import KDA_CP_MODES as MODES
+from ..config.parallel import KDA_CP_MODES as MODES
 from .zigzag import check_seq_len, gathered_to_sequence, segments, sequence_to_owners
 
 
@@ -64,12 +64,8 @@ def _config_error(msg: str):
 
 def _impls(layer, x: torch.Tensor) -> tuple[str, bool, bool]:
     """(KDA backend, conv through fla, norm through fla), chosen exactly as the layer chooses them."""
-    from ..layers import kda as kda_layer
-
-    backend = layer._pick_backend(x)
-    conv_fla = kda_layer._part_uses_fla(x, backend, "conv", layer.conv_impl, kda_layer.CONV_IMPLS)
-    norm_fla = kda_layer._part_uses_fla(x, backend, "norm", layer.norm_impl, kda_layer.NORM_IMPLS)
-    return backend, conv_fla, norm_fla
+    backend, conv, norm = layer.pick(x)
+    return backend, conv == "fla", norm == "fla"
 
 
 def _head_range(layer, cp: int, rank: int) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""The parallel settings, the process group from torchrun's environment, and the (dp, cp) device mesh.
+"""The parallel settings (`longctx.config.parallel`), the process group from torchrun's environment, and
+the (dp, cp) device mesh.
 
     cfg = ParallelConfig(cp=2, kda_cp="hidden_gather")
     rank, world, device = init_distributed()          # torchrun's RANK / WORLD_SIZE / LOCAL_RANK
@@ -12,68 +13,15 @@ gradient reduction crosses the dp dimension.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-KDA_CP_MODES = ("hidden_gather", "qkv_a2a", "chunk_state")
+from ..config.parallel import KDA_CP_MODES, ParallelConfig  # noqa: F401 - the settings live in the config
+
 MESH_DIMS = ("dp", "cp")
-
-
-def _error(msg: str):
-    from ..errors import ConfigError
-
-    return ConfigError(msg)
-
-
-@dataclass
-class ParallelConfig:
-    """cp: ranks that share one sequence (context parallel), 1 = off. dp: data-parallel replicas;
-    None = the rest of the world (world // cp). kda_cp: how KDA layers run under cp > 1 —
-    "hidden_gather" (gather the hidden state, each rank projects and runs its share of the heads
-    over the whole sequence), "qkv_a2a" (each rank projects its own tokens, an all-to-all moves the
-    projected q/k/v/gate/beta from a token split to a head split), "chunk_state" (each rank runs its
-    own tokens and receives the recurrent state of the tokens before them)."""
-
-    cp: int = 1
-    dp: int | None = None
-    kda_cp: str = "hidden_gather"
-
-    def validate(self, world: int | None = None) -> "ParallelConfig":
-        """Check the settings (against the world size when given); returns a copy with dp filled in."""
-        for name in ("cp", "dp"):
-            v = getattr(self, name)
-            if v is None and name == "dp":
-                continue
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise _error(f"parallel.{name} must be a positive integer (got {v!r}); "
-                             f"{'set it to 1 for no context parallelism' if name == 'cp' else 'leave it unset to use the rest of the world'}.")
-        if self.kda_cp not in KDA_CP_MODES:
-            from ..errors import did_you_mean
-
-            raise _error(f"parallel.kda_cp must be one of {', '.join(KDA_CP_MODES)} (got {self.kda_cp!r})"
-                         f"{did_you_mean(str(self.kda_cp), KDA_CP_MODES)}.")
-        if world is None:
-            return dataclasses.replace(self)
-        if world % self.cp:
-            ok = [d for d in range(1, world + 1) if world % d == 0]
-            raise _error(f"parallel.cp = {self.cp} does not divide the {world} processes torchrun started; "
-                         f"choose one of {', '.join(map(str, ok))}.")
-        dp = world // self.cp if self.dp is None else self.dp
-        if dp * self.cp != world:
-            raise _error(f"parallel.dp x parallel.cp = {dp} x {self.cp} = {dp * self.cp}, but torchrun started {world} "
-                         f"processes; set parallel.dp to {world // self.cp} or leave it unset.")
-        return dataclasses.replace(self, dp=dp)
-
-    def check_model(self, model_cfg) -> None:
-        """The model-dependent rules: the head-split KDA modes need the KDA heads to divide by cp."""
-        if self.cp > 1 and self.kda_cp in ("hidden_gather", "qkv_a2a") and model_cfg.kda_heads % self.cp:
-            raise _error(f"model.kda_heads = {model_cfg.kda_heads} is not a multiple of parallel.cp = {self.cp}, and "
-                         f"parallel.kda_cp = {self.kda_cp} gives each rank an equal share of the heads; choose a cp "
-                         f"that divides {model_cfg.kda_heads} or set parallel.kda_cp = chunk_state.")
 
 
 def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
@@ -118,6 +66,18 @@ class CPContext:
     rank: int
     kda_cp: str = "hidden_gather"
     layout: str = "zigzag"
+
+    # What a layer's forward calls when its `cp` holds this context (the layers sit below
+    # longctx.distributed, so they receive the context object rather than importing these functions).
+    def kda(self, layer, x, cu_seqlens=None):
+        from .kda_cp import kda_cp_forward
+
+        return kda_cp_forward(layer, x, self.group, self.kda_cp, self.layout, cu_seqlens)
+
+    def dsa(self, layer, x, prev_selection=None, forced_selection=None):
+        from .dsa_cp import dsa_cp_forward
+
+        return dsa_cp_forward(layer, x, self.group, prev_selection, forced_selection, self.layout)
 
 
 def cp_context(mesh, cfg: ParallelConfig) -> CPContext | None:

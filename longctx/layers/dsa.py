@@ -74,6 +74,9 @@ class SparseMLA(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, hidden, bias=False)
         self.indexer = KPoolIndexer(cfg, layer_idx) if cfg.indexer_kinds()[layer_idx] == "f" else None
         self.kernels = {"sparse_attention": "auto"}  # set by longctx.kernels.apply_kernels
+        # Context parallel: a longctx.distributed CPContext (handed down by the trainer) when x holds only
+        # this rank's tokens of each sequence; its `dsa` runs the layer's CP form. None: x is whole.
+        self.cp = None
         # Switches set by the memory plan.
         self.attn_impl = "sparse"
         self.attn_chunk = 256  # queries per pass of the torch twin (the indexer has its own `chunk`)
@@ -99,6 +102,8 @@ class SparseMLA(nn.Module):
         """
         if caches_only and not isinstance(cache, DSACache):
             raise ValueError(f"DSA layer {self.layer_idx}: caches_only needs a DSACache.")
+        if self.cp is not None and cache is None:
+            return self.cp.dsa(self, x, prev_selection, forced_selection)
         B, T, _ = x.shape
         H = self.n_heads
         q_latent = self.q_a_norm(self.q_a_proj(x))
@@ -191,15 +196,6 @@ class SparseMLA(nn.Module):
             o, lse = fwd()
         keep.update(o=o, lse=lse)
         return kept(o, lse) if torch.is_grad_enabled() else o
-
-    # read and set by the context-parallel tests (tests/distributed/test_cp_dsa.py)
-    @property
-    def backend(self) -> str:
-        return self.kernels["sparse_attention"]
-
-    @backend.setter
-    def backend(self, impl: str) -> None:
-        self.kernels["sparse_attention"] = impl
 
 
 @contextlib.contextmanager

@@ -91,6 +91,9 @@ class KimiDeltaAttention(nn.Module):
         self.cfg = cfg  # what fla's chunk kernel is checked against (`ops.kda.unavailable`)
         self.kernels = {"kda": "auto", "kda_conv": "auto", "kda_norm": "auto"}  # set by kernels.apply_kernels
         self.last_impl: str | None = None  # what ran (the step log's implementation report)
+        # Context parallel: a longctx.distributed CPContext (handed down by the trainer) when x holds only
+        # this rank's tokens of each sequence; its `kda` runs the layer's CP form. None: x is whole.
+        self.cp = None
         self.reset_gate_parameters()
 
     @torch.no_grad()
@@ -143,6 +146,8 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, state: KDAState | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]. Without `state`: training / full prefill (chunked).
         With `state`: continue from it (prefill of T tokens or a one-token step) and update it."""
+        if self.cp is not None and state is None:
+            return self.cp.kda(self, x, cu_seqlens)
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         if state is not None and cu_seqlens is not None:
@@ -188,33 +193,3 @@ class KimiDeltaAttention(nn.Module):
         else:
             o = self.o_norm(o.to(x.dtype), gate)
         return self.o_proj(o.reshape(B, T, H * K))
-
-    # ------------------------------------------------------------------ read by longctx/distributed/kda_cp.py
-    def _pick_backend(self, x: torch.Tensor) -> str:
-        return self.pick(x)[0]
-
-    @property
-    def backend(self) -> str:
-        return self.kernels["kda"]
-
-    @backend.setter
-    def backend(self, impl: str) -> None:
-        self.kernels["kda"] = impl
-
-    @property
-    def conv_impl(self) -> str:
-        return self.kernels["kda_conv"]
-
-    @property
-    def norm_impl(self) -> str:
-        return self.kernels["kda_norm"]
-
-
-CONV_IMPLS = NORM_IMPLS = IMPLS  # read by longctx/distributed/kda_cp.py
-
-
-def _part_uses_fla(x: torch.Tensor, backend: str, part: str, impl: str, impls: tuple) -> bool:
-    """Whether KDA's `part` ("conv" or "norm") runs fla's kernel for the setting `impl` (read by
-    longctx/distributed/kda_cp.py; the layer asks `KimiDeltaAttention.pick`)."""
-    why = kda_ops.conv_unavailable if part == "conv" else kda_ops.norm_unavailable
-    return _pick(f"kda_{part}", impl, impls, x.is_cuda, lambda: why(x.device)) == "fla"

@@ -325,17 +325,3 @@ class KPoolIndexer(nn.Module):
         logq = masked.log_softmax(-1).masked_fill(~support, 0.0)
         kl = (torch.xlogy(target, target) - target * logq).sum(-1) * ok.squeeze(-1)
         return kl.sum(), ok.sum().to(kl.dtype)
-
-    # ------------------------------------------------------------------ read by longctx/distributed/dsa_cp.py
-    kernel = "two_phase"  # the Triton path's name in the step log
-
-    def _pick_backend(self, device: torch.device) -> str:
-        return self.pick(device, chunk=0)
-
-    @property
-    def backend(self) -> str:
-        return self.kernels["indexer"]
-
-    @backend.setter
-    def backend(self, impl: str) -> None:
-        self.kernels["indexer"] = impl

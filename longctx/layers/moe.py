@@ -338,6 +338,10 @@ class MoE(nn.Module):
         self.last_load: torch.Tensor | None = None
         self.last_impl: str | None = None
         self.router_state: list[dict] | None = None
+        # Routing statistics over other ranks' tokens as well (data / context parallel): an object with
+        # load, aux_loss and quantile_bias (longctx.distributed.balance.GlobalStatistics, handed down by
+        # attach_statistics); None = this process's tokens are all the tokens.
+        self.statistics = None
         self._reset_pending()
 
     # ------------------------------------------------------------------ balance bookkeeping
@@ -463,20 +467,25 @@ class MoE(nn.Module):
         if chosen:
             tape.record(self, torch.cat(chosen) if len(chosen) != 1 else chosen[0], batch)
 
+        st = self.statistics
         if record:
             self.last_impl = f"moe:{impl}"
             self.router_state = keep
-            self.last_load = load.detach().float()
+            self.last_load = (load if st is None else st.load(load)).detach().float()
             self.aux_loss = None
         if want_aux:
-            f = load.float() / (m * self.top_k)  # fraction of routed slots per expert (sums to 1)
-            self.aux_loss = self.aux_loss_coef * self.n_experts * (f * (prob_sum / m)).sum()
+            if st is not None:  # this rank's share: the shares sum to the loss over all ranks' tokens
+                self.aux_loss = st.aux_loss(load, prob_sum, m, self.n_experts, self.top_k, self.aux_loss_coef)
+            else:
+                f = load.float() / (m * self.top_k)  # fraction of routed slots per expert (sums to 1)
+                self.aux_loss = self.aux_loss_coef * self.n_experts * (f * (prob_sum / m)).sum()
         if train and self.balancer in ("quantile", "sign"):
             if self.balancer == "quantile":
                 s_all = torch.cat(scores) if len(scores) != 1 else scores[0]
-                new = quantile_bias(s_all, self.router.bias, self.top_k, self.quantile_iters, self.quantile_tol)
-            else:
-                new = load.detach().float()
+                qb = quantile_bias if st is None else st.quantile_bias
+                new = qb(s_all, self.router.bias, self.top_k, self.quantile_iters, self.quantile_tol)
+            else:  # the step's load over all ranks, so every rank moves the bias the same way
+                new = self.last_load
             self._pending_sum = new if self._pending_sum is None else self._pending_sum + new
             self._pending_count += 1
         return out.reshape(shape)

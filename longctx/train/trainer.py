@@ -10,6 +10,11 @@ Held-out per-position loss before and after training; PNG plots; atomic checkpoi
 the end of each stage, and at the step boundary after a SIGINT or SIGTERM). A resumed run takes
 the run's saved config and continues the data stream, optimizer, RNG, router balancing state and
 the stage's memory plan exactly, so its loss curve equals the uninterrupted one.
+
+Under torchrun (WORLD_SIZE > 1) the run is sharded over a (dp, cp) mesh (the `parallel` settings):
+FSDP2 per block, each dp rank taking its rows of the stage's global batch and each cp rank its zigzag
+chunks of every row, each rank's loss its share of the global mean, MoE statistics over all ranks'
+tokens, checkpoints through torch.distributed.checkpoint; rank 0 alone prints and writes the run files.
 """
 
 from __future__ import annotations
@@ -334,8 +339,13 @@ class Trainer:
         self._stop = StopSignals(self)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        if self.device.type == "cuda":
-            self.log(f"CUDA allocator: {allocator.configure(cfg.cuda_alloc)}")
+        if self.device.type == "cuda":  # before the process group's first CUDA allocation
+            said = allocator.configure(cfg.cuda_alloc)
+            if os.environ.get("RANK", "0") == "0":
+                self.log(f"CUDA allocator: {said}")
+        self.mesh, self.rank, self.world = self._join_processes(cfg)
+        if self.rank != 0:  # one log and one set of run files: rank 0's
+            self.quiet = quiet = True
         torch.manual_seed(cfg.seed)
         tok = load_tokenizer(cfg.data.tokenizer)
         if tok.vocab_size > cfg.model.vocab_size:
@@ -378,6 +388,16 @@ class Trainer:
             self.eval_set = eval_windows(self.eval_tokens, eval_len, cfg.data.eval_windows, starts_only=False).tokens
         self.model = LongCtxModel(cfg.model).to(self.device)
         self.kernels_planned = apply_kernels(self.model, cfg.kernels)  # {op: what runs}; raises what cannot run
+        self.n_params = self.model.num_parameters()  # counted whole, before any sharding
+        if self.mesh is not None:
+            from ..distributed.balance import attach_statistics, statistics_group
+            from ..distributed.fsdp import parallelize
+
+            # the memory plan only sets module switches and the block policy (applied per stage), so
+            # the sharding goes on now: the optimizer must see the sharded parameters
+            parallelize(self.model, self.mesh)
+            attach_statistics(self.model, statistics_group(self.mesh))
+            self._set_cp(True)
         self.opt = make_optimizer(self.model, cfg, self.device)
         self.step = 0
         self.before = None
@@ -387,6 +407,73 @@ class Trainer:
         self.stage_estimate_gib = None  # `longctx estimate` of the stage's plan (CUDA only), shown beside each peak
         self._tb = None  # a progress.TensorBoard while run() runs
         self._kernels_said = None  # the impl report the last `kernels:` line printed
+
+    # ------------------------------------------------------------------ many processes
+    def _join_processes(self, cfg: TrainConfig):
+        """(mesh, rank, world) under torchrun (WORLD_SIZE > 1), else (None, 0, 1)."""
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return None, 0, 1
+        from ..distributed.mesh import build_mesh, cp_rank, dp_rank, init_distributed
+
+        rank, world, device = init_distributed()
+        if self.device.type != device.type:
+            raise ConfigError(f"device = {cfg.device} runs on {self.device.type}, but torchrun's processes hold "
+                              f"{device.type} devices; set device = auto.")
+        self.device = device
+        mesh = build_mesh(world, cfg.parallel)
+        self.dp, self.dp_rank = cfg.parallel.validate(world).dp, dp_rank(mesh)
+        self.cp, self.cp_rank = cfg.parallel.cp, cp_rank(mesh)
+        for i, s in enumerate(cfg.stages):
+            if s.seq_len % (2 * self.cp) and self.cp > 1:  # zigzag: two equal chunks per cp rank
+                raise ConfigError(f"stages.{i}.seq_len = {s.seq_len} does not split into the 2 x {self.cp} equal chunks "
+                                  f"of parallel.cp = {self.cp}; make it a multiple of {2 * self.cp}.")
+            if s.batch_size % self.dp:
+                raise ConfigError(f"stages.{i}.batch_size = {s.batch_size} does not split over the {self.dp} "
+                                  f"data-parallel ranks; make it a multiple of {self.dp} (it is the global batch).")
+        return mesh, rank, world
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This data-parallel rank's rows of the global batch, and of those this cp rank's tokens
+        (every rank reads the same stream, so the data cursor in a checkpoint is the same on all)."""
+        if self.mesh is None:
+            return t
+        n = t.shape[0] // self.dp
+        t = t[self.dp_rank * n: (self.dp_rank + 1) * n]
+        if self.cp > 1:  # this cp rank's tokens of each row; the labels were shifted before, so they stay exact
+            from ..distributed.zigzag import shard
+
+            t = shard(t, self.cp, self.cp_rank)
+        return t
+
+    def _set_cp(self, on: bool) -> None:
+        """Hand every KDA and DSA layer this rank's CP context (on), or take it back (the evaluation
+        runs whole sequences on every rank)."""
+        if self.mesh is None or self.cp == 1:
+            return
+        from ..distributed.mesh import cp_context
+        from ..layers.dsa import SparseMLA
+        from ..layers.kda import KimiDeltaAttention
+
+        ctx = cp_context(self.mesh, self.cfg.parallel) if on else None
+        for m in self.model.modules():
+            if isinstance(m, (KimiDeltaAttention, SparseMLA)):
+                m.cp = ctx
+
+    def _sum_over_ranks(self, v: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        v = v.detach().float().clone()
+        dist.all_reduce(v)
+        return v
+
+    def _peaks(self) -> list[float]:
+        """Every rank's peak memory in GiB, rank order."""
+        import torch.distributed as dist
+
+        mine = torch.tensor([peak_memory_gib(self.device)], dtype=torch.float64, device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine)
+        return [float(t.item()) for t in every]
 
     # ------------------------------------------------------------------ bookkeeping
     def stage_at(self, step: int) -> tuple[int, int]:
@@ -399,6 +486,8 @@ class Trainer:
 
     def _record(self, rec: dict):
         self.history.append(rec)
+        if self.rank != 0:
+            return
         with open(os.path.join(self.out, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self._tb is not None:
@@ -410,11 +499,48 @@ class Trainer:
     def save(self, reason: str):
         if self._saved_step == self.step:  # this step's checkpoint exists; a rewrite would first delete it
             return os.path.join(self.out, f"ckpt-{self.step:06d}")
-        path = ckpt.save(self.out, self.step, self.model, self.opt, self.state(), self.cfg.to_dict())
+        if self.mesh is not None:
+            path = self._save_sharded()
+        else:
+            path = ckpt.save(self.out, self.step, self.model, self.opt, self.state(), self.cfg.to_dict())
         self._saved_step = self.step
         if not self.quiet:
             self.log(f"checkpoint ({reason}): {path}")
         return path
+
+    def _save_sharded(self) -> str:
+        """Every rank writes its shards (longctx.distributed.checkpoint); rank 0 then adds the configs
+        and flips the checkpoint link, as the single-process save does."""
+        import torch.distributed as dist
+
+        from ..distributed import checkpoint as dckpt
+
+        name = f"ckpt-{self.step:06d}"
+        path = dckpt.save(os.path.join(self.out, name), self.model, self.opt,
+                          {"trainer": self.state(), "rng": ckpt.rng_state(), "step": self.step})
+        if self.rank == 0:
+            with open(os.path.join(path, "train_config.json"), "w") as f:
+                json.dump(self.cfg.to_dict(), f, indent=2, default=str)
+            with open(os.path.join(path, "longctx_config.json"), "w") as f:
+                f.write(self.cfg.model.to_json())
+            link_tmp = os.path.join(self.out, ckpt.LINK + ".new")
+            if os.path.lexists(link_tmp):
+                os.remove(link_tmp)
+            os.symlink(name, link_tmp)
+            os.replace(link_tmp, os.path.join(self.out, ckpt.LINK))
+            olds = sorted((s, d) for d in os.listdir(self.out) if (s := ckpt.step_of_name(d)) is not None and s < self.step)
+            for _, d in olds[: max(0, len(olds) - (ckpt.KEEP - 1))]:  # as many kept as in one process
+                shutil.rmtree(os.path.join(self.out, d), ignore_errors=True)
+        dist.barrier()  # no rank reads the link before it points at this step
+        return path
+
+    def _load_sharded(self) -> dict:
+        from ..distributed import checkpoint as dckpt
+
+        st = dckpt.load(os.path.realpath(os.path.join(self.out, ckpt.LINK)), self.model, self.opt)
+        if st.get("rng") is not None:
+            ckpt.set_rng_state(st["rng"])
+        return {"step": st.get("step", 0), **(st.get("trainer") or {})}
 
     def resume(self):
         """Continue from OUT/checkpoint. self.cfg may differ from the run's saved config only in
@@ -423,14 +549,15 @@ class Trainer:
             raise RunFolderError(f"--resume: --out {self.out} has no checkpoint (the run stopped before writing one, or "
                                  "its checkpoint link points nowhere); start the run afresh with --force.")
         saved, where = read_run_config(self.out)
-        st = ckpt.load(self.out, self.model, self.opt, device=self.device)
+        st = (self._load_sharded() if self.mesh is not None else
+              ckpt.load(self.out, self.model, self.opt, device=self.device))
         changes = resume_changes(saved, self.cfg, st.get("step", 0), where)
         self.step = self._saved_step = st.get("step", 0)
         self.stream.load_state_dict(st["data"])
         self.before = st.get("before")
         # keep metrics.jsonl consistent with the checkpoint: drop records after its step
         path = os.path.join(self.out, "metrics.jsonl")
-        if os.path.exists(path):
+        if os.path.exists(path) and self.rank == 0:
             with open(path) as f:
                 recs = [r for r in map(_json_or_none, f) if r is not None]
             recs = [r for r in recs if r.get("step", 0) <= self.step]
@@ -439,7 +566,7 @@ class Trainer:
             self.history = recs
         if not self.quiet:
             self.log(f"resumed from step {self.step}")
-        for c in changes:  # said even when quiet: the run now differs from how it was started
+        for c in changes if self.rank == 0 else ():  # said even when quiet: the run now differs from how it was started
             self.log(f"resume changes {c}")
 
     def _eval_forward(self):
@@ -467,10 +594,14 @@ class Trainer:
         if self.eval_set is None:
             return None
         n_buckets = min(8, self.eval_set.shape[1] - 1)
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            res = per_position_loss(self.model, self.eval_set, n_buckets=n_buckets, device=self.device,
-                                    progress=not self.quiet and sys.stderr.isatty(),
-                                    token_losses=self._eval_forward())
+        self._set_cp(False)
+        try:
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+                res = per_position_loss(self.model, self.eval_set, n_buckets=n_buckets, device=self.device,
+                                        progress=not self.quiet and sys.stderr.isatty(),
+                                        token_losses=self._eval_forward())
+        finally:
+            self._set_cp(True)
         self._record({"step": self.step, "eval": label, "eval_loss": res["loss"], "buckets": res["buckets"]})
         return res
 
@@ -478,7 +609,7 @@ class Trainer:
     def train_step(self, stage, step_in_stage: int) -> dict:
         model = self.model
         batch = self.stream.next_batch()
-        x, y = batch.inputs.to(self.device), batch.labels.to(self.device)
+        x, y = self._rows(batch.inputs).to(self.device), self._rows(batch.labels).to(self.device)
         lr = lr_at(stage, step_in_stage)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -486,14 +617,33 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
         chunked = getattr(self.memory_policy, "forward_backward", None)
+        if chunked is not None and self.mesh is not None:
+            raise ConfigError("the sequence-chunked step (memory.seq_chunk) does not run sharded over several processes "
+                              "yet; set memory.seq_chunk = 0 or train in one process.")
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             if chunked is not None:  # sequence-chunked step: forward and backward in one sweep pair
                 out = chunked(model, x, y)
             else:
                 out = model(x, labels=y, return_logits=False)
+        loss = out.loss
+        if self.mesh is not None and chunked is None:
+            from ..distributed.fsdp import loss_share
+
+            # this rank's share of the global mean: the summed gradients are the single-process ones. The
+            # MoE aux loss is a share already (GlobalStatistics), the indexer KL a share of its sequence
+            # (summed over the cp ranks) and the mean over as many tokens as every other dp rank's: 1/dp.
+            loss = loss_share(out.lm_loss, y, self.mesh)
+            for k, v in out.aux.items():
+                loss = loss + (v if k == "moe_aux" else v / self.dp)
         if chunked is None:
-            out.loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
+            loss.backward()
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        if self.mesh is not None:
+            from ..distributed.fsdp import clip_grad_norm_
+
+            gn = clip_grad_norm_(model.parameters(), clip)
+        else:
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         model.apply_balance_updates()
@@ -502,14 +652,19 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
+        lm_loss, tokens = out.lm_loss, x.numel()
+        if self.mesh is not None:  # the global mean and the whole step's tokens
+            lm_loss, tokens = self._sum_over_ranks(loss_share(out.lm_loss, y, self.mesh)), tokens * self.world
         rec = {"step": self.step + 1, "stage": self.stage_at(self.step)[0], "seq_len": stage.seq_len,
-               "loss": out.lm_loss.item(), "grad_norm": gn.item(), "lr": lr,
-               "tokens_per_s": x.numel() / dt, "step_s": dt, "peak_gib": peak_memory_gib(self.device),
+               "loss": lm_loss.item(), "grad_norm": gn.item(), "lr": lr,
+               "tokens_per_s": tokens / dt, "step_s": dt, "peak_gib": peak_memory_gib(self.device),
                "moe_max_over_mean": model.moe_balance(), "impl": model.impl_report()}
+        if self.mesh is not None:
+            rec["peak_gib_ranks"] = self._peaks()
         if self.stage_estimate_gib is not None:
             rec["estimate_gib"] = self.stage_estimate_gib
         for k, v in out.aux.items():
-            rec[k] = v.item()
+            rec[k] = (self._sum_over_ranks(v) / (1 if k == "moe_aux" else self.dp)).item() if self.mesh else v.item()
         model.clear_aux()
         return rec
 
@@ -543,23 +698,30 @@ class Trainer:
 
     def _run(self, resume: bool, stop_after: int | None, force: bool) -> dict:
         check_out_dir(self.out, resume, force and not resume)
+        if self.mesh is not None:  # every rank has judged the folder before rank 0 changes it
+            import torch.distributed as dist
+
+            dist.barrier()
         if resume:
             self.resume()
-        elif force:
+        elif force and self.rank == 0:
             removed = clear_run(self.out)
             if removed and not self.quiet:
                 self.log(f"--force: removed the previous run's {', '.join(removed)} from {self.out}")
         os.makedirs(self.out, exist_ok=True)
-        with open(os.path.join(self.out, "config.json"), "w") as f:
-            json.dump(self.cfg.to_dict(), f, indent=2, default=str)
-        self._tb = TensorBoard(os.path.join(self.out, TB_DIR))
-        n = self.model.num_parameters()
+        if self.rank == 0:
+            with open(os.path.join(self.out, "config.json"), "w") as f:
+                json.dump(self.cfg.to_dict(), f, indent=2, default=str)
+            self._tb = TensorBoard(os.path.join(self.out, TB_DIR))
+        n = self.n_params
         if not self.quiet:
+            mesh = "" if self.mesh is None else (f" | mesh dp {self.dp} x cp {self.cfg.parallel.cp} "
+                                                 f"({self.world} processes)")
             self.log(f"model: {self.cfg.model.summary()} | {n['total'] / 1e6:.2f}M params ({n['active'] / 1e6:.2f}M active)"
-                     + (f" | {self.cfg.vocab_note}" if self.cfg.vocab_note else ""))
+                     + mesh + (f" | {self.cfg.vocab_note}" if self.cfg.vocab_note else ""))
             self.log(f"data: {len(self.train_tokens)} train docs ({sum(len(t) for t in self.train_tokens):,} tokens), "
                      f"{len(self.eval_tokens)} held-out docs; device {self.device}, dtype {str(self.dtype).replace('torch.', '')}")
-            if self._tb.note:
+            if self._tb is not None and self._tb.note:
                 self.log(f"note: {self._tb.note}")
         if self.before is None and self.eval_set is not None:
             self.before = self.evaluate("before")
@@ -594,6 +756,8 @@ class Trainer:
             return {"step": self.step, "stopped": True}
         after = self.evaluate("after")
         self.save("final")
+        if self.rank != 0:  # the plots and the summary are rank 0's
+            return {"step": self.step, "before": self.before, "after": after, "table": None}
         table = None  # no table or per-position plot without an evaluation (data.eval_windows=0)
         from . import plots
         plots.loss_curve(self.history, os.path.join(self.out, "loss.png"))

@@ -22,6 +22,7 @@ except ImportError:  # Python 3.10
 from longctx.config import ModelConfig, preset
 from longctx.errors import ConfigError
 from longctx.config.kernels import OPS, KernelConfig
+from longctx.config.parallel import KDA_CP_MODES, ParallelConfig
 from longctx.config.train import (
     DEVICES,
     DTYPES,
@@ -264,9 +265,11 @@ def test_bad_files(tmp_path):
 def _typed_fields():
     """(section, field, allowed base types) for every scalar setting."""
     out = []
-    for section, cls, skip in (("", TrainConfig, {"model", "data", "stages", "preset", "memory", "betas", "kernels"}),
+    for section, cls, skip in (("", TrainConfig, {"model", "data", "stages", "preset", "memory", "betas", "kernels",
+                                                     "parallel"}),
                                ("model", ModelConfig, set()), ("data", DataConfig, {"sources"}),
-                               ("stage", Stage, {"data_mix", "memory"}), ("kernels", KernelConfig, set())):
+                               ("stage", Stage, {"data_mix", "memory"}), ("kernels", KernelConfig, set()),
+                               ("parallel", ParallelConfig, set())):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.name in skip:
@@ -279,14 +282,15 @@ def _typed_fields():
 TYPED = _typed_fields()
 POSITIVE = [("model", n) for n in ("vocab_size", "hidden_size", "num_layers", "kda_heads", "kda_head_dim",
                                    "index_topk", "index_pool", "n_routed_experts", "hc_streams")] + \
-    [("stage", "seq_len"), ("stage", "steps"), ("stage", "batch_size"), ("", "log_every")]
+    [("stage", "seq_len"), ("stage", "steps"), ("stage", "batch_size"), ("", "log_every"), ("parallel", "cp"),
+     ("parallel", "dp")]
 NON_NEGATIVE = [("stage", "warmup"), ("", "seed"), ("", "eval_every"), ("", "ckpt_every"),
                 ("data", "eval_docs"), ("data", "eval_windows"), ("model", "n_shared_experts")]
 ENUMS = [("", "dtype", DTYPES), ("", "device", DEVICES), ("stage", "schedule", SCHEDULES),
          ("model", "residual", ("mhc", "attnres", "plain")), ("model", "balancer", ("quantile", "sign", "aux", "none"))] + \
-    [("kernels", op, pkg.IMPLS) for op, pkg in OPS.items()]
+    [("kernels", op, pkg.IMPLS) for op, pkg in OPS.items()] + [("parallel", "kda_cp", KDA_CP_MODES)]
 KNOWN = {name for _, name, _ in TYPED} | {"model", "data", "stages", "preset", "memory", "betas", "sources", "data_mix",
-                                          "kernels"}
+                                          "kernels", "parallel"}
 
 
 def _wrong_value(allowed: set):

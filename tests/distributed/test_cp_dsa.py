@@ -31,8 +31,8 @@ def _layers(case: str):
     full, shared = SparseMLA(cfg, 0), SparseMLA(cfg, 1)
     for i, layer in enumerate((full, shared)):
         randomize(layer, 10 + i)
-        layer.backend = "torch"
-    full.indexer.backend = "torch"
+        layer.kernels["sparse_attention"] = "torch"
+    full.indexer.kernels["indexer"] = "torch"
     full.indexer.chunk = 7  # the query blocks of the torch selection do not line up with the rank spans
     return full, shared
 

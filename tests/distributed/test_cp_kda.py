@@ -31,7 +31,7 @@ def _layer(seed: int = 0):
     cfg = preset("tiny").replace(kda_heads=4, kda_head_dim=8, kda_chunk_size=16)
     layer = KimiDeltaAttention(cfg, 0)
     randomize(layer, seed)
-    layer.backend = "torch"
+    layer.kernels["kda"] = "torch"
     return layer
 
 

@@ -380,7 +380,7 @@ def _triton_chunked_vs_torch_whole() -> dict:
     ref = _grads(m)
     m.zero_grad(set_to_none=True)
     for mod in dsa:
-        mod.backend = mod.indexer.backend = "triton"
+        mod.kernels["sparse_attention"] = mod.indexer.kernels["indexer"] = "triton"
     got = SequenceChunker(16).forward_backward(m, x, y)
     g = _grads(m)
     err = max(((g[n] - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-30)).item() for n in ref)
