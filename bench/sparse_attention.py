@@ -24,44 +24,10 @@ sys.path.insert(0, str(ROOT))
 from timing import env_record, timed, write_results
 
 from longctx.ops.sparse_attention import triton as tk
+from longctx.ops.sparse_attention.naive import causal_pool_indices
 
 D, K = 512, 2051
 GIB = 1 << 30
-
-
-def causal_pool_indices(S: int, K: int, pool: int = 4, device="cuda", generator=None) -> torch.Tensor:
-    """DSA-like indices: for query t, whole pools of `pool` earlier tokens (the most recent ones plus
-    random older ones, distinct), then the visible tail of the current incomplete pool, -1 elsewhere.
-
-    The benchmark's workload, so it lives with the benchmark: the figures in
-    bench/results/sparse_attention.json are for these indices whatever the GPU tests draw (their own
-    copy is in tests/ops/test_sparse_attention_gpu.py)."""
-    n_sel = (K - (pool - 1)) // pool
-    t = torch.arange(S, device=device)
-    n_pool = (t + 1) // pool  # complete pools visible to query t
-    r = torch.arange(n_sel, device=device)
-    n_recent = min(64, n_sel)
-    # older pools: one random pick in each of (n_sel - n_recent) equal strata of [0, n_pool - n_recent)
-    n_old = n_sel - n_recent
-    span = (n_pool - n_recent).clamp(min=0).to(torch.float32)
-    u = torch.rand(S, max(n_old, 1), device=device, generator=generator)[:, :n_old]
-    i = torch.arange(n_old + 1, device=device, dtype=torch.float64)
-    edges = torch.floor(i[None, :] * span[:, None].double() / max(n_old, 1)).long()  # integer strata
-    lo, hi = edges[:, :-1], edges[:, 1:]
-    old = lo + (u * (hi - lo)).long()
-    recent = n_pool[:, None] - 1 - torch.arange(n_recent, device=device)
-    pools = torch.cat([recent, old], 1)
-    few = n_pool <= n_sel  # short prefixes: every complete pool
-    pools = torch.where(few[:, None], r[None, :], pools)
-    pools = torch.where(pools < n_pool[:, None], pools, -1)
-    tok = pools[:, :, None] * pool + torch.arange(pool, device=device)
-    tok = torch.where(pools[:, :, None] >= 0, tok, -1).flatten(1)
-    tail = n_pool[:, None] * pool + torch.arange(pool - 1, device=device)
-    tail = torch.where(tail <= t[:, None], tail, -1)
-    idx = torch.cat([tok, tail], 1)
-    # shuffle slot order: the kernel must not rely on any order
-    perm = torch.argsort(torch.rand(S, idx.shape[1], device=device, generator=generator), dim=1)
-    return torch.gather(idx, 1, perm)[:, :K].to(torch.int32)
 
 
 def fwd_flops(S: int, H: int) -> float:

@@ -31,7 +31,7 @@ KEEP = 2
 _CKPT_NAME = re.compile(r"ckpt-(\d+)")
 
 
-def _fsync_dir(path: str):
+def fsync_dir(path: str):
     try:
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
@@ -83,13 +83,13 @@ def save(out_dir: str, step: int, model, optimizer, trainer_state: dict, config_
             os.fsync(f.fileno())
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     link_tmp = os.path.join(out_dir, LINK + ".new")
     if os.path.lexists(link_tmp):
         os.remove(link_tmp)
     os.symlink(name, link_tmp)
     os.replace(link_tmp, os.path.join(out_dir, LINK))
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     olds = sorted((s, d) for d in os.listdir(out_dir) if (s := step_of_name(d)) is not None and s < step)
     for _, d in olds[: max(0, len(olds) - (KEEP - 1))]:
         shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..checkpoint import fsync_dir
+
 EXTRA = "extra.pt"
 METADATA = ".metadata"
 
@@ -51,15 +53,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if _dist():
         dist.barrier()
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    except OSError:
-        pass
 
 
 @contextlib.contextmanager
@@ -106,12 +99,12 @@ def save(path: str, model, optimizer, extra: dict | None = None) -> str:
             torch.save(dict(extra or {}), f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(partial)
+        fsync_dir(partial)
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(path):
             os.rename(path, old)
         os.rename(partial, path)
-        _fsync_dir(os.path.dirname(path))
+        fsync_dir(os.path.dirname(path))
         shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return path

@@ -99,7 +99,7 @@ def test_sparse_attention_past_int32(case):
     cover), through the regular Function and the kept-output path the
     block recompute runs (`reuse_attention`): the last queries' output and dq against the kernel on those
     queries alone (same kv and indices, contiguous)."""
-    from test_sparse_attention_gpu import causal_pool_indices
+    from longctx.ops.sparse_attention.naive import causal_pool_indices
 
     from longctx.ops.sparse_attention.triton import (
         kept_sparse_attention_triton,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import sys
 from types import SimpleNamespace
@@ -91,13 +90,6 @@ def test_eta_scales_later_stages_by_their_tokens_per_step():
 
 
 # ------------------------------------------------------------------------------ a real run
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    rng = random.Random(0)
-    words = "the quick brown fox jumps over lazy dog def class return import yield lambda".split()
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(300)))
-    return str(path)
 
 
 def tiny(corpus, *extra):

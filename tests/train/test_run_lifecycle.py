@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -25,16 +24,6 @@ from longctx.config.loading import load_train_config
 from longctx.train.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small text file: tokenizing it is instant, unlike the embedded stdlib corpus."""
-    rng = random.Random(0)
-    words = "the quick brown fox jumps over lazy dog def class return import yield lambda".split()
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(300)))
-    return str(path)
 
 
 @pytest.fixture(autouse=True)
