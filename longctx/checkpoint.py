@@ -28,6 +28,7 @@ from .errors import CheckpointError
 
 LINK = "checkpoint"
 KEEP = 2
+DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint writes last: a sharded checkpoint
 _CKPT_NAME = re.compile(r"ckpt-(\d+)")
 
 
@@ -113,38 +114,69 @@ def resolve(path: str) -> str:
     )
 
 
-def load(path: str, model, optimizer=None, device=None) -> dict:
-    """Load weights (and optimizer + RNG) into the given objects; returns the trainer state dict."""
-    ck = resolve(path)
+def is_sharded(path: str) -> bool:
+    """A checkpoint folder written by torch.distributed.checkpoint (several processes): DCP's `.metadata`
+    file. Its reader is longctx.distributed.checkpoint (which sits above this module); a folder
+    without one is this module's safetensors layout."""
+    return os.path.isfile(os.path.join(path, DCP_METADATA))
+
+
+def read_weights(ck: str, device=None) -> dict:
+    """The checkpoint folder's weights (our key layout), whole, on `device`."""
     try:
-        sd = load_file(os.path.join(ck, "model.safetensors"), device=str(device or "cpu"))
+        return load_file(os.path.join(ck, "model.safetensors"), device=str(device or "cpu"))
     except Exception as exc:
         raise CheckpointError(f"checkpoint {ck!r} is corrupt ({type(exc).__name__}: {exc}); resume from an earlier ckpt-* folder or start afresh.") from None
+
+
+def check_weights(ck: str, sd: dict, model) -> None:
+    """Refuse (one sentence) weights that do not fit `model`: a key missing or extra, or a shape that
+    differs. The model may be sharded: a DTensor's shape is the whole tensor's."""
     own = model.state_dict()
     shapes = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in sd.items() if k in own and v.shape != own[k].shape]
     if shapes:
         raise CheckpointError(
             f"checkpoint {ck!r} does not match the model (checkpoint vs model shapes: {'; '.join(shapes[:3])}); "
             "resume with the same model settings it was written with.")
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and model.cfg.tie_word_embeddings)]
+    missing = [k for k in own if k not in sd and not (k == "lm_head.weight" and model.cfg.tie_word_embeddings)]
+    unexpected = [k for k in sd if k not in own]
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {ck!r} does not match the model (missing {missing[:4]}, unexpected {unexpected[:4]}); "
             "resume with the same model settings it was written with."
         )
+
+
+def read_state(ck: str) -> dict | None:
+    """trainer_state.pt (optimizer, trainer state, RNG, step); None for a weights-only folder."""
     state_file = os.path.join(ck, "trainer_state.pt")
     if not os.path.exists(state_file):
-        return {}
+        return None
     try:
-        st = torch.load(state_file, map_location="cpu", weights_only=False)
+        return torch.load(state_file, map_location="cpu", weights_only=False)
     except Exception as exc:
         raise CheckpointError(f"checkpoint {ck!r} has a corrupt trainer_state.pt ({type(exc).__name__}); resume from an earlier ckpt-* folder.") from None
+
+
+def trainer_state(st: dict) -> dict:
+    """What `load` returns of a trainer_state.pt: the step and the trainer's own state."""
+    return {"step": st.get("step", 0), **(st.get("trainer") or {})}
+
+
+def load(path: str, model, optimizer=None, device=None) -> dict:
+    """Load weights (and optimizer + RNG) into the given objects; returns the trainer state dict."""
+    ck = resolve(path)
+    sd = read_weights(ck, device)
+    check_weights(ck, sd, model)
+    model.load_state_dict(sd, strict=False)  # strict but for a tied lm_head.weight, which check_weights allowed
+    st = read_state(ck)
+    if st is None:
+        return {}
     if optimizer is not None and st.get("optimizer") is not None:
         optimizer.load_state_dict(st["optimizer"])
     if st.get("rng") is not None:
         set_rng_state(st["rng"])
-    return {"step": st.get("step", 0), **(st.get("trainer") or {})}
+    return trainer_state(st)
 
 
 def read_model_config(path: str) -> dict:

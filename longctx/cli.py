@@ -18,7 +18,7 @@ from pathlib import Path
 
 def _train(a) -> int:
     from .config.loading import load_train_config, to_toml
-    from .train.trainer import Trainer, check_out_dir, resume_config
+    from .train.trainer import JOB_FILE, Trainer, check_out_dir, resume_config
 
     if a.resume:  # the run's saved config, with only what the flags may change on resume changed
         out = a.out or load_train_config(a.config, a.preset, a.set or []).out_dir
@@ -31,11 +31,24 @@ def _train(a) -> int:
     if a.print_config:
         print(to_toml(cfg))
         return 0
-    check_out_dir(cfg.out_dir, a.resume, a.force)  # before the corpus is read: a refusal is instant
+    # before the corpus is read: a refusal is instant. Not where a torchrun job has written its job file:
+    # its restarted workers continue the run there, which the trainer decides with every rank (_restarted)
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not os.path.exists(os.path.join(cfg.out_dir, JOB_FILE)):
+        check_out_dir(cfg.out_dir, a.resume, a.force)
     if hasattr(sys.stdout, "reconfigure"):  # each step line reaches `| tee` as it happens, not 8 KiB later
         sys.stdout.reconfigure(line_buffering=True)
     Trainer(cfg, quiet=a.quiet).run(resume=a.resume, stop_after=a.max_steps, force=a.force)
+    _leave_process_group()
     return 0
+
+
+def _leave_process_group() -> None:
+    """Under torchrun, take the process group down before the interpreter does: its teardown at exit,
+    in whatever order finalization frees the store and the backend's threads, can abort the process
+    (std::terminate) after a run that completed, which torchrun reports as a failed worker."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _resolve_device(name: str):
@@ -57,8 +70,10 @@ def _load_model(path: str, device: str):
             and not os.path.exists(os.path.join(path, ckpt.LINK)):
         from .hf_interop import load_pretrained
         return load_pretrained(path, device=dev), dev
+    from .distributed.checkpoint import load_checkpoint
+
     model = LongCtxModel(ModelConfig.from_dict(ckpt.read_model_config(path))).to(dev)
-    ckpt.load(path, model, device=dev)
+    load_checkpoint(path, model, device=dev)  # by its format: a run of several processes (DCP) loads here in one
     return model, dev
 
 
@@ -134,7 +149,7 @@ def _eval(a) -> int:
 
 
 def _estimate(a) -> int:
-    """Exit 0 when the plan fits, 1 when even the last plan tried does not."""
+    """Exit 0 when the plan fits, 1 when even the last plan tried does not (--fit: when no cluster tried fits)."""
     from .config.kernels import KernelConfig
     from .config.train import preset_model
     from .errors import ConfigError
@@ -144,7 +159,7 @@ def _estimate(a) -> int:
     cfg = preset_model(a.preset)
     if a.seq_len < 1:
         raise ConfigError(f"--seq-len must be >= 1 (got {a.seq_len}).")
-    if a.cp < 1:
+    if a.cp is not None and a.cp < 1:
         raise ConfigError(f"--cp must be >= 1 (got {a.cp}).")
     plan = MemoryPlan.from_dict(parse_switches(a.set or []))
     kernels = {}
@@ -153,15 +168,125 @@ def _estimate(a) -> int:
         if not sep or not op.strip():
             raise ConfigError(f"--kernel {k!r} is not OP=BACKEND; write it like --kernel mhc=torch.")
         kernels[op.strip()] = impl.strip()
-    plan, e = auto_plan(cfg, a.seq_len, plan, a.cp, a.gpu, kernels=KernelConfig.from_dict(kernels))
+    kernels = KernelConfig.from_dict(kernels)
+    if a.fit or a.gpus is not None:
+        return _estimate_cluster(a, cfg, plan, kernels)
+    for flag, given in (("--ep", a.ep is not None), ("--kda-cp", a.kda_cp is not None), ("--param-dtype", a.param_dtype is not None),
+                        ("--offload-optimizer", a.offload_optimizer), ("--host-gib", a.host_gib is not None)):
+        if given:
+            raise ConfigError(f"{flag} describes a step over several GPUs; add --gpus N (or --fit).")
+    cp = a.cp or 1
+    plan, e = auto_plan(cfg, a.seq_len, plan, cp, a.gpu, kernels=kernels)
     if a.json:
         print(json.dumps(e, indent=2))
     else:
         print(format_report(e, phases=a.phases))
-        warning = whole_sequence_warning(cfg, -(-a.seq_len // a.cp), plan)
+        warning = whole_sequence_warning(cfg, -(-a.seq_len // cp), plan)
         if warning:
             print(f"warning: {warning}")
     return 0 if e["fits"] else 1
+
+
+def _estimate_cluster(a, cfg, plan, kernels) -> int:
+    """`longctx estimate --gpus G [--cp K] [--ep E]` (the per-GPU breakdown) and `--fit` (the smallest cluster)."""
+    import dataclasses
+
+    from .errors import ConfigError
+    from .memory.model_bytes import GIB, GPUS, Cluster
+    from .memory.planner import auto_plan, cp_candidates, dominant_term, fit_cluster, format_report, pick_cp
+
+    kda_cp = a.kda_cp or "hidden_gather"
+    param_bytes = {"fp32": 4, "bf16": 2}[a.param_dtype or "fp32"]
+    host = None if a.host_gib is None else a.host_gib * GIB
+    if a.gpu not in GPUS:
+        raise ConfigError(f"--gpu {a.gpu!r} is unknown; choose one of {', '.join(GPUS)}.")
+    moe = "m" in cfg.mlp_kinds()
+    if a.ep is not None:
+        if a.ep < 1:
+            raise ConfigError(f"--ep must be >= 1 (got {a.ep}).")
+        if moe and cfg.n_routed_experts % a.ep:
+            ok = [d for d in range(1, cfg.n_routed_experts + 1) if cfg.n_routed_experts % d == 0]
+            raise ConfigError(f"--ep {a.ep} does not divide the {cfg.n_routed_experts} routed experts of preset {a.preset}; "
+                              f"choose one of {', '.join(map(str, ok))}.")
+    if a.fit:
+        if a.gpus is not None or a.cp is not None:
+            raise ConfigError("--fit searches the number of GPUs and the cp itself; drop --gpus and --cp (or drop --fit).")
+        if a.offload_optimizer:
+            raise ConfigError("--fit tries the AdamW moments on the GPU first and then on the host; drop --offload-optimizer.")
+        r = fit_cluster(cfg, a.seq_len, plan, a.gpu, kernels=kernels, param_bytes=param_bytes, host=host, ep=a.ep,
+                        kda_cp=a.kda_cp)
+        if a.json:
+            print(json.dumps(_fit_json(r), indent=2))
+            return 0 if r["gpus"] else 1
+        cap = GPUS[a.gpu]
+        print(f"fit: preset {a.preset}, {a.seq_len:,} tokens a sequence, {a.gpu} ({cap['memory'] / GIB:.1f} GiB; fits: "
+              f"reserved <= 93%), host {(host or cap['host']) / GIB:.0f} GiB per GPU, FSDP gathers in {a.param_dtype or 'fp32'}")
+        print(f"{'GPUs':>5}  {'fits':<4}  {'dp x cp x ep':<14}{'kda_cp':<14}{'AdamW moments':<15}{'GPU GiB':>8}{'host GiB':>9}  dominant term")
+        for row in r["tried"]:
+            e, cl = row["estimate"], row["cluster"]
+            if e is None:
+                print(f"{row['gpus']:>5}  no    {row['why']}")
+                continue
+            name, b = dominant_term(e)
+            print(f"{row['gpus']:>5}  {'yes' if row['fits'] else 'no':<4}  {f'{cl.dp} x {cl.cp} x {cl.ep}':<14}"
+                  f"{(cl.kda_cp if cl.cp > 1 else '-'):<14}{('host' if cl.opt_offload else 'GPU'):<15}"
+                  f"{e['gpu_reserved_bytes'] / GIB:>8.1f}{e['host_bytes'] / GIB:>9.1f}  {name} ({b / GIB:.1f} GiB)")
+        if r["gpus"] is None:
+            print(f"verdict: no cluster of up to {r['tried'][-1]['gpus']} GPUs fits")
+            return 1
+        print(f"smallest cluster: {r['gpus']} GPUs ({r['found']['cluster'].describe()})\n")
+        print(format_report(r["found"]["estimate"], phases=a.phases))
+        return 0
+    if a.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1 (got {a.gpus}).")
+    G = a.gpus
+    ep = a.ep or 1
+    if G % ep:
+        raise ConfigError(f"--ep {ep} does not divide --gpus {G}; choose an ep that divides both {G} and "
+                          f"the {cfg.n_routed_experts} routed experts.")
+    settings = dict(param_bytes=param_bytes, opt_offload=a.offload_optimizer, host=host)
+    if a.cp is None:
+        if not cp_candidates(cfg, a.seq_len, G, kda_cp):
+            raise ConfigError(f"no cp splits --seq-len {a.seq_len} into 2 x cp equal chunks on --gpus {G}; pass --cp 1 or a "
+                              "sequence length that is a multiple of 2 x cp.")
+        cl, plan, e = pick_cp(cfg, a.seq_len, plan, G, ep, kda_cp, None, a.gpu, kernels=kernels, **settings)
+        picked = f"cp {cl.cp}: the smallest of {', '.join(map(str, cp_candidates(cfg, a.seq_len, G, kda_cp)))} " + \
+                 ("whose plan fits" if e["fits"] else "tried, and none fits")
+    else:
+        cp = a.cp
+        if G % cp:
+            ok = [d for d in range(1, G + 1) if G % d == 0]
+            raise ConfigError(f"--cp {cp} does not divide --gpus {G}; choose one of {', '.join(map(str, ok))}.")
+        if cp > 1 and a.seq_len % (2 * cp):
+            raise ConfigError(f"--seq-len {a.seq_len} does not split into the 2 x {cp} equal chunks of --cp {cp} (zigzag); "
+                              f"make it a multiple of {2 * cp}.")
+        if cp > 1 and kda_cp != "chunk_state" and "K" in cfg.layer_kinds() and cfg.kda_heads % cp:
+            raise ConfigError(f"--cp {cp} does not divide the {cfg.kda_heads} KDA heads of preset {a.preset}, and --kda-cp "
+                              f"{kda_cp} gives each rank an equal share of them; choose a cp that divides {cfg.kda_heads} "
+                              "or pass --kda-cp chunk_state.")
+        cl = Cluster(gpus=G, cp=cp, ep=ep, kda_cp=kda_cp, **settings)
+        plan, e = auto_plan(cfg, a.seq_len, plan, cp, a.gpu, kernels=kernels, cluster=cl)
+        picked = None
+    if a.json:
+        print(json.dumps(dict(e, dominant_term=dominant_term(e)[0]), indent=2))
+        return 0 if e["fits"] else 1
+    print(format_report(e, phases=a.phases))
+    if picked:
+        print(picked)
+    if G > 1:
+        name, b = dominant_term(e)
+        print(f"dominant term: {name} ({b / GIB:.2f} GiB)")
+    return 0 if e["fits"] else 1
+
+
+def _fit_json(r: dict) -> dict:
+    import dataclasses
+
+    def row(x):
+        return None if x is None else dict(x, cluster=x["cluster"] and dataclasses.asdict(x["cluster"]),
+                                           plan=x["plan"] and x["plan"].to_dict())
+
+    return {"gpus": r["gpus"], "found": row(r["found"]), "tried": [row(t) for t in r["tried"]]}
 
 
 def _export(a) -> int:
@@ -271,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", type=_path_arg("--out", "runs/demo"), help="output directory (default: out_dir of the config)")
     t.add_argument("--print-config", action="store_true", help="print the resolved, validated config and exit")
     t.add_argument("--resume", action="store_true", help="continue the run in OUT from its checkpoint, with its saved config "
-                   "(--set may change only stages.N.steps, eval_every, ckpt_every and log_every)")
+                   "(--set may change only stages.N.steps, eval_every, ckpt_every, log_every and parallel.*)")
     t.add_argument("--force", action="store_true", help="start afresh in an OUT that holds a run: delete its checkpoints, "
                    "metrics, config.json, summary, plots and TensorBoard events (nothing else)")
     t.add_argument("--max-steps", type=_int_arg("--max-steps", 1, 100), help="stop (with a checkpoint) after this many steps in total")
@@ -305,7 +430,18 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("estimate", help="predict peak memory and pick the memory plan for a preset and length")
     m.add_argument("--preset", default="h200-ref")
     m.add_argument("--seq-len", type=int, required=True)
-    m.add_argument("--cp", type=int, default=1)
+    m.add_argument("--cp", type=int, help="context-parallel degree (default 1; with --gpus: the smallest that fits)")
+    m.add_argument("--gpus", type=int, help="the per-GPU breakdown of a step over this many GPUs: FSDP over all of them, "
+                   "dp = GPUS / cp")
+    m.add_argument("--ep", type=int, help="with --gpus: ranks that split each MoE layer's routed experts (default 1)")
+    m.add_argument("--kda-cp", choices=("hidden_gather", "qkv_a2a", "chunk_state"),
+                   help="with --gpus: how KDA runs under cp > 1, as parallel.kda_cp (default hidden_gather)")
+    m.add_argument("--param-dtype", choices=("fp32", "bf16"), help="with --gpus: what FSDP's all-gather delivers "
+                   "(default fp32, as the trainer shards; bf16 gathers leave autocast no weight copies)")
+    m.add_argument("--offload-optimizer", action="store_true", help="with --gpus: the AdamW moments in host memory")
+    m.add_argument("--host-gib", type=float, help="with --gpus or --fit: host memory per GPU (default: the --gpu entry's)")
+    m.add_argument("--fit", action="store_true", help="the smallest cluster of 8, 16, 32, ... GPUs on which the step fits, "
+                   "with the parallel layout and the dominant term")
     m.add_argument("--gpu", default="h200")
     m.add_argument("--set", action="append", metavar="SWITCH=VALUE", help="force a memory switch, e.g. offload=0")
     m.add_argument("--kernel", action="append", metavar="OP=BACKEND",
@@ -326,6 +462,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+ERROR_WAIT_S = 10.0  # how long a rank other than 0 waits to hear whether rank 0 met the same error
+
+
+def _error_store():
+    """A client of the key-value store torchrun's agent serves its workers (MASTER_ADDR:MASTER_PORT), or
+    None where there is none to reach."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                        timeout=timedelta(seconds=3), wait_for_workers=False)
+    except Exception:  # noqa: BLE001 - no store to reach: every rank says its error
+        return None
+
+
+def _say_user_error(e) -> None:
+    """`error: <sentence>` on stderr, once per torchrun job: every rank meets a mistake in the settings
+    alike, so rank 0 alone says it and the others, on finding rank 0's sentence equal to theirs in
+    torchrun's store, exit without a word. A rank whose error rank 0 did not meet (within
+    ERROR_WAIT_S), or met otherwise (a path one node lacks), says its own, naming its rank."""
+    text, world, rank = str(e), int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    store = _error_store() if world > 1 and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ else None
+    if store is not None:
+        from datetime import timedelta
+
+        key = (f"longctx/user_error/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+        try:
+            if rank == 0:
+                store.set(key, text)
+            else:
+                store.wait([key], timedelta(seconds=ERROR_WAIT_S))
+                if store.get(key).decode() == text:
+                    return
+        except Exception:  # noqa: BLE001 - rank 0 said nothing in time: this rank's error is its own
+            pass
+    print(f"error: {text}" if rank == 0 or world == 1 else f"error: rank {rank}: {text}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     from .errors import UserError
 
@@ -333,7 +510,7 @@ def main(argv=None) -> int:
         a = build_parser().parse_args(argv)
         return a.fn(a)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _say_user_error(e)
         return 2
     except KeyboardInterrupt as e:  # trainer.Interrupted carries the signal and how to resume
         hint = e.resume_hint() if hasattr(e, "resume_hint") else "interrupted"

@@ -3,6 +3,7 @@ trainer's own state, written by every rank at once, atomically, and readable at 
 
     save(path, model, optimizer, {"step": 120, "data": stream.state_dict()})
     extra = load(path, model, optimizer)        # any world size, FSDP-sharded or a plain model
+    state = load_checkpoint(run_dir, model, optimizer)  # either format, by the folder: DCP or one process's
     full = to_full_state_dict(model)            # rank 0: every tensor whole, on the CPU (export)
 
 Layout of `path` (a folder): DCP's `.metadata` and one `__<rank>_0.distcp` file per writing rank
@@ -19,6 +20,10 @@ ranks share.
 Resharding: the state dicts come from `get_state_dict` (`torch.distributed.checkpoint.state_dict`),
 keyed by parameter name whatever the sharding, and DCP reads each rank's part of every tensor
 from whichever files hold it: a checkpoint of 2 FSDP ranks loads into 4, or into one plain model.
+A checkpoint of one process (longctx.checkpoint: whole tensors in safetensors) goes into an FSDP model
+through `load_full`: every rank reads the whole files and keeps its shards. `load_checkpoint` picks the
+reader by the folder's format, so the trainer, export, eval and generate read either at any world size.
+
 Optimizer state exists only for the parameters that have had a gradient (AdamW creates it on the
 first step that sees one: the indexer's, for one, get none from the LM loss); `load` gives the
 optimizer state for exactly the parameters the checkpoint has it for, so a parameter's first
@@ -36,10 +41,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .. import checkpoint as ckpt
 from ..checkpoint import fsync_dir
 
 EXTRA = "extra.pt"
-METADATA = ".metadata"
+METADATA = ckpt.DCP_METADATA
 
 
 def _dist() -> bool:
@@ -162,6 +168,71 @@ def load(path: str, model, optimizer=None) -> dict:
     if not os.path.exists(extra_file):
         return {}
     return torch.load(extra_file, map_location="cpu", weights_only=False)  # written by `save`: trainer state, RNG
+
+
+def load_checkpoint(path: str, model, optimizer=None, device=None) -> dict:
+    """Any longctx checkpoint (a run folder or a ckpt-* folder) into `model` and `optimizer`, whatever
+    the world size on either side: a sharded one (DCP's `.metadata`) through `load`, into a plain or an
+    FSDP model; a one-process one (longctx.checkpoint's safetensors layout) through
+    longctx.checkpoint.load into a plain model, or through `load_full` into an FSDP-sharded one. The
+    format is read from the folder, not from how this process runs, so a run written by 2 processes
+    resumes in 1 and one written by 1 process resumes under torchrun. Sets the checkpoint's RNG and
+    returns the trainer state {"step": N, ...}; every rank calls it."""
+    from .fsdp import is_sharded
+
+    ck = ckpt.resolve(path)
+    if ckpt.is_sharded(ck):
+        extra = load(ck, model, optimizer)  # the trainer's extra: trainer_state.pt's keys (step, trainer, rng)
+        if extra.get("rng") is not None:
+            ckpt.set_rng_state(extra["rng"])
+        return ckpt.trainer_state(extra)
+    if is_sharded(model):
+        return load_full(ck, model, optimizer)
+    return ckpt.load(ck, model, optimizer, device=device)
+
+
+def load_full(path: str, model, optimizer=None) -> dict:
+    """A one-process checkpoint (whole tensors in safetensors, the optimizer's own state dict in
+    trainer_state.pt) into an FSDP-sharded `model` and its `optimizer`: every rank reads the whole
+    files and keeps its shards (`set_model_state_dict` / `set_optimizer_state_dict` with
+    full_state_dict). The saved optimizer state is keyed by parameter position; the position maps to
+    a name through this optimizer's groups, which `make_optimizer` builds in the same order in one
+    process and sharded. Sets the RNG; returns the trainer state {"step": N, ...}."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    ck = ckpt.resolve(path)
+    sd = ckpt.read_weights(ck)
+    ckpt.check_weights(ck, sd, model)
+    if model.cfg.tie_word_embeddings and "lm_head.weight" not in sd:  # one tensor, saved once
+        sd["lm_head.weight"] = sd["embed.weight"]
+    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True))
+    st = ckpt.read_state(ck)
+    if st is None:
+        return {}
+    saved = st.get("optimizer")
+    if optimizer is not None and saved is not None and saved.get("state"):
+        names = {p: n for n, p in model.named_parameters()}
+        groups = optimizer.param_groups
+        if [len(g["params"]) for g in saved["param_groups"]] != [len(g["params"]) for g in groups]:
+            raise _error(f"checkpoint {ck!r} holds optimizer state for parameter groups of "
+                         f"{[len(g['params']) for g in saved['param_groups']]} parameters, this run's optimizer has "
+                         f"{[len(g['params']) for g in groups]}; resume with the settings it was written with.")
+        fqn = {i: names[p] for sg, g in zip(saved["param_groups"], groups) for i, p in zip(sg["params"], g["params"])}
+        full = {"state": {fqn[i]: s for i, s in saved["state"].items()},
+                "param_groups": [{**{k: v for k, v in sg.items() if k != "params"}, "params": [fqn[i] for i in sg["params"]]}
+                                 for sg in saved["param_groups"]]}
+        # not strict: parameters that never had a gradient have no state, as in `load`
+        set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        # set_optimizer_state_dict first gives every parameter state (a zero-gradient step); those the
+        # checkpoint has none for start without, so their first gradient starts Adam's count at zero
+        for g in groups:
+            for p in g["params"]:
+                if names[p] not in full["state"]:
+                    optimizer.state.pop(p, None)
+    if st.get("rng") is not None:
+        ckpt.set_rng_state(st["rng"])
+    return ckpt.trainer_state(st)
 
 
 def to_full_state_dict(model) -> dict:

@@ -1,10 +1,10 @@
-"""The three collectives context parallelism uses, as torch's autograd-aware functional collectives.
+"""The collectives context and expert parallelism use, as torch's autograd-aware functional collectives.
 
-Every exchange in `longctx.distributed` goes through `all_gather` or `all_to_all` here, so that one
-place knows which torch entry point a given torch version has, and a test can count the bytes each
-mode really sends by wrapping these two functions. Nothing here moves data itself: the work is
-torch.distributed's (`_functional_collectives`, NCCL on GPUs, gloo on CPUs), whose backward is the
-adjoint collective (all-gather <-> reduce-scatter, all-to-all <-> the reverse all-to-all).
+Every exchange in `longctx.distributed` goes through `all_gather`, `all_to_all` or `all_to_all_v`
+here, so that one place knows which torch entry point a given torch version has, and a test can
+count the bytes each mode really sends by wrapping these functions. Nothing here moves data itself:
+the work is torch.distributed's (`_functional_collectives`, NCCL on GPUs, gloo on CPUs), whose
+backward is the adjoint collective (all-gather <-> reduce-scatter, all-to-all <-> the reverse all-to-all).
 """
 
 from __future__ import annotations
@@ -41,6 +41,14 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     differentiable (the backward is the same exchange in reverse)."""
     fc = _funcol()
     return fc.wait_tensor(fc.all_to_all_single_autograd(x.contiguous(), None, None, group))
+
+
+def all_to_all_v(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows [sum in_splits, ...] -> [sum out_splits, ...]: this rank's in_splits[j] rows starting at
+    sum(in_splits[:j]) go to rank j, and rank j's rows for this rank arrive as block j of the result
+    (out_splits[j] rows); differentiable (the backward is the exchange with the splits swapped)."""
+    fc = _funcol()
+    return fc.wait_tensor(fc.all_to_all_single_autograd(x.contiguous(), list(out_splits), list(in_splits), group))
 
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:

@@ -15,6 +15,12 @@ dp x cp instead of dp, and the reduce-scatter that FSDP runs anyway over the fla
 very sum over cp that context parallelism needs (see `longctx.distributed`). The all-gathers then
 also cross the cp ranks, which is where a sequence's exchanges already run.
 
+Expert parallelism (`expert_parallel.apply_expert_parallel`, applied first) makes each MoE's routed
+experts a DTensor over the ep ranks; `parallelize` gives them an FSDP unit of their own over the
+efsdp ranks (those holding the same experts), so each rank keeps 1 / (ep x efsdp) = 1 / world of the
+routed-expert bytes, and their gradient reduce-scatter sums over efsdp what the all-to-all's
+backward already summed over ep.
+
 Gradient scale. Every rank's loss is its share of the global mean (`loss_share`: the token-loss sum
 over the rank's tokens divided by the label count of all ranks), so the single-process gradient is
 the *sum* of the ranks' gradients; FSDP's default divides by the group size (a mean of per-rank
@@ -87,7 +93,7 @@ def parallelize(model, mesh, *, param_dtype=None, reduce_dtype=torch.float32, re
     offload) keeps working: it calls the blocks."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ..layers.moe import Router
+    from ..layers.moe import MoE, Router
 
     fsdp_mesh = shard_mesh(mesh)
     dtype = _resolve_param_dtype(param_dtype, mesh)
@@ -100,6 +106,9 @@ def parallelize(model, mesh, *, param_dtype=None, reduce_dtype=torch.float32, re
         for m in model.modules():
             if isinstance(m, Router):
                 units.append(fully_shard(m, mesh=fsdp_mesh, mp_policy=keep, reshard_after_forward=reshard_after_forward))
+    for m in model.modules():
+        if isinstance(m, MoE) and m.expert_parallel is not None:
+            units.append(_shard_experts(m.experts, m.expert_parallel.mesh, policy, reshard_after_forward))
     for block in model.layers:
         units.append(fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward))
     # the root stays gathered from its forward to its backward, which opens with the LM head: FSDP's
@@ -108,6 +117,24 @@ def parallelize(model, mesh, *, param_dtype=None, reduce_dtype=torch.float32, re
     for u in units:
         _sum_gradients(u)
     return model
+
+
+def _shard_experts(experts, expert_mesh, policy, reshard_after_forward: bool):
+    """An expert-parallel rank's experts (DTensors Shard(0) over the ep dim) as an FSDP unit of their
+    own over the efsdp dim: the ranks holding the same experts. FSDP shards dim 1 (gate/up rows,
+    hidden rows) where it divides evenly, so each dim has one sharding and DTensor's redistribution
+    is one all-gather per dim; else dim 0, which DTensor expresses as a strided shard of the ep shard."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    efsdp = expert_mesh["efsdp"]
+    n = efsdp.size()
+
+    def placement(p):
+        return Shard(1) if p.ndim > 1 and p.shape[1] % n == 0 else Shard(0)
+
+    return fully_shard(experts, mesh=efsdp, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                       shard_placement_fn=placement)
 
 
 def is_sharded(model) -> bool:
@@ -151,8 +178,18 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type)
-    if isinstance(norm, DTensor):  # a partial sum over the shards: reduce it to the whole norm
-        norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    # one norm per device mesh: the experts of expert parallelism live on the (efsdp, ep) mesh, the
+    # rest on the (dp, cp) one, and DTensor reduces only over one mesh at a time
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type)
+        if isinstance(norm, DTensor):  # a partial sum over the shards: reduce it to the whole norm
+            norm = norm.full_tensor()
+        norms.append(norm)
+    norm = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, norm_type=norm_type)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm

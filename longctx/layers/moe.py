@@ -256,6 +256,10 @@ class _WeightedCombine(torch.autograd.Function):
         return gys, gw, None, None
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p  # a DTensor's own shard (its gradient stays a DTensor)
+
+
 class Experts(nn.Module):
     """All routed experts' weights as two 3-D tensors (HF's packed layout: gate rows, then up rows)."""
 
@@ -274,8 +278,10 @@ class Experts(nn.Module):
         return swiglu_ops.clamped_swiglu_packed(h, self.limit, impl)  # h: [rows, 2I], gate rows then up rows
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor, impl: str) -> torch.Tensor:
-        """xs [N, hidden] sorted by expert, counts [E] rows per expert -> [N, hidden]."""
-        gate_up, down = self.gate_up.to(xs.dtype), self.down.to(xs.dtype)
+        """xs [N, hidden] sorted by expert, counts [E] rows per expert -> [N, hidden]. Under expert
+        parallelism the weights are a DTensor of the ep ranks' experts and E is this rank's share:
+        the rows here are those of its own experts, so it computes on its local tensor."""
+        gate_up, down = _local(self.gate_up).to(xs.dtype), _local(self.down).to(xs.dtype)
         if impl == "grouped_mm":
             offs = counts.cumsum(0).to(torch.int32)
             h = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)
@@ -342,6 +348,12 @@ class MoE(nn.Module):
         # load, aux_loss and quantile_bias (longctx.distributed.balance.GlobalStatistics, handed down by
         # attach_statistics); None = this process's tokens are all the tokens.
         self.statistics = None
+        # Expert parallelism: an object whose `run(experts, xs, counts, impl)` takes the place of
+        # `experts(xs, counts, impl)` (sends the rows to the ranks holding their experts and returns
+        # their outputs in the same order) and whose `rounds(n, device)` is the chunk count every rank
+        # of the ep group runs (longctx.distributed.expert_parallel.ExpertParallel, handed down by
+        # apply_expert_parallel); None = this process holds every expert.
+        self.expert_parallel = None
         self._reset_pending()
 
     # ------------------------------------------------------------------ balance bookkeeping
@@ -414,7 +426,10 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts)
         token = order // k
-        ys = self.experts(x[token], counts, impl)
+        if self.expert_parallel is None:
+            ys = self.experts(x[token], counts, impl)
+        else:  # the rows go to their experts' ranks and come back in the same order
+            ys = self.expert_parallel.run(self.experts, x[token], counts, impl)
         cdtype = self.combine_dtype or x.dtype
         if cdtype == ys.dtype:  # the memory plan's moe_bf16_combine (on): keeps only ys for backward
             inv = torch.empty_like(order)
@@ -442,17 +457,21 @@ class MoE(nn.Module):
         train = self.training and record
         want_aux = train and self.balancer == "aux" and torch.is_grad_enabled()
 
-        if m == 0:
+        ep = self.expert_parallel
+        if m == 0 and ep is None:
             return x.new_zeros(shape)
-        step = self.chunk_tokens or m
+        step = self.chunk_tokens or max(m, 1)
         if step < 1:
             raise ValueError(f"MoE.chunk_tokens must be >= 1 or None (got {self.chunk_tokens})")
+        n_chunks = -(-m // step)
+        if ep is not None:  # every rank of the ep group joins every exchange, with empty chunks if need be
+            n_chunks = ep.rounds(n_chunks, x.device)
         keep = [] if record and not self.release_router_state else None
         batch = shape[0] if len(shape) == 3 else 1
         replay = tape is not None and tape.replay and not live
         forced = tape.lookup(self, batch, m // batch) if replay else None
         outs, scores, load, prob_sum, chosen = [], [], None, None, []
-        for start in range(0, m, step):
+        for start in range(0, n_chunks * step, step):
             f = forced[start : start + step] if forced is not None else None
             o, s, c, p, idx = self._chunk(x[start : start + step], impl, want_aux, keep, f)
             if tape is not None and not replay:

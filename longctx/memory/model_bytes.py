@@ -23,6 +23,16 @@ code in longctx/layers (bf16 activations, fp32 where the layer computes in fp32)
 appear only when a switch is off: dense masked DSA (S x S scores) and the unchunked indexer
 (S x S/P scores). `longctx.memory.planner` picks a plan with it; docs/design/memory_model.md
 explains both.
+
+Many GPUs (`Cluster`: G ranks of a (dp, cp) mesh, each holding 1/ep of the routed experts) add terms
+to the same model rather than a second one: FSDP2 shards every parameter byte over all G ranks
+(routed experts 1/ep per rank, then over the G/ep ranks holding the same experts: again 1/G), so the
+fp32 parameters, AdamW moments and parameter gradients are 1/G; the activations are this rank's S/cp
+tokens, as with `cp` alone; and what the distributed step holds besides: FSDP's gathered parameters
+(the root whole for the step, a block and its prefetched neighbour at a time, a block's unsharded
+gradient before its reduce-scatter), what each CP mode gathers (`_cp_block_bytes`: the whole
+sequence's rows each mode reads, counted from longctx/distributed/kda_cp.py and dsa_cp.py) and EP's
+all-to-all buffers. These terms are counted from the code, not yet measured on several GPUs.
 """
 
 from __future__ import annotations
@@ -54,23 +64,113 @@ def _params(cfg: ModelConfig) -> int:
     return _params_of(cfg.to_json())
 
 
-@functools.lru_cache(maxsize=16)
 def _params_of(cfg_json: str) -> int:
     """Parameters of the model (built on the meta device, once per config)."""
+    return _counts_of(cfg_json)["total"]
+
+
+@functools.lru_cache(maxsize=16)
+def _counts_of(cfg_json: str) -> dict:
+    """Parameter counts of the model built on the meta device: the total, the root's (everything outside
+    `model.layers`: embedding, LM head, final norm, the residual stream's own) and per block (params,
+    of which routed experts), which are FSDP's units (`longctx.distributed.fsdp.parallelize`)."""
     import torch
 
     from ..model import LongCtxModel
 
     with torch.device("meta"):
         m = LongCtxModel(ModelConfig.from_dict(json.loads(cfg_json)))
-    return sum(p.numel() for p in m.parameters())
+    total = sum(p.numel() for p in m.parameters())
+    blocks = [(sum(p.numel() for p in b.parameters()),
+               sum(p.numel() for n, p in b.named_parameters() if n.startswith("mlp.experts."))) for b in m.layers]
+    return {"total": total, "root": total - sum(b for b, _ in blocks), "blocks": blocks}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """One training step spread over `gpus` ranks: a (dp, cp) mesh, dp = gpus // cp, each rank holding
+    1/ep of every MoE layer's routed experts; FSDP2 shards every parameter over all the ranks.
+    `param_bytes`: what FSDP's all-gather delivers to the compute: 4 (fp32, the trainer's
+    `parallelize(param_dtype=None)`; autocast then caches a bf16 copy of every weight it casts, whole,
+    for the forward) or 2 (bf16 gathers: no autocast copies). `opt_offload`: the AdamW moments live in
+    host memory (the step streams them through the GPU one block's shard at a time, after the backward,
+    so they are not at the peak). `host`: host bytes per GPU (None: the GPU entry's)."""
+
+    gpus: int = 1
+    cp: int = 1
+    ep: int = 1
+    kda_cp: str = "hidden_gather"
+    param_bytes: int = 4
+    opt_offload: bool = False
+    host: float | None = None
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.cp
+
+    def describe(self) -> str:
+        return (f"{self.gpus} GPUs = dp {self.dp} x cp {self.cp}, ep {self.ep}"
+                + (f", kda_cp {self.kda_cp}" if self.cp > 1 else "")
+                + f", FSDP gathers in {'fp32' if self.param_bytes == 4 else 'bf16'}"
+                + (", AdamW moments on the host" if self.opt_offload else ""))
+
+
+def _cp_block_bytes(cfg: ModelConfig, kind: str, S: int, cluster: Cluster, a: int, full_indexer: bool,
+                    plan: MemoryPlan) -> tuple[dict, int]:
+    """What context parallelism adds to one block of `kind` for S tokens per sequence split over cp ranks
+    (T = S/cp each): (the tensors the block saves for backward beyond the per-token model's T tokens, by
+    name; the transient buffers of its exchanges in its backward). Counted from the code:
+
+    KDA hidden_gather: the gathered hidden state [S, hidden] (the head projections save it) and the two
+      low-rank gate projections over the S - T tokens beyond the rank's own; the H/cp heads' q/k/v/gates
+      over S are S*H/cp = T*H values per channel, what the per-token model already counts. Backward:
+      the gathered hidden's gradient and its copy into the reduce-scatter's layout ([S, hidden] each),
+      and the return all-to-all's send and receive buffers ([T, H*K] each).
+    KDA qkv_a2a: the received q/k/v columns [S, H/cp, 3K] (kept alive by the gate and beta views of the
+      same buffer, which the recurrence saves). Backward: the received buffer's gradient and its copy
+      ([S, H/cp, 4K+1] each) and the return all-to-all's buffers.
+    KDA chunk_state: the recurrence runs K value columns wider (the zero columns of v and the read-out
+      columns of the output, [T, H, K] each, and each chunk's state [T/C, H, K, K] fp32 more) and the
+      all-gathered span summaries [cp, 2, H, K, 2K] fp32; their gradient in backward.
+    DSA: the gathered latents [S, kv_lora] the sparse attention reads; backward: the kernel's fp32 dkv of
+      the gathered rows, the gathered rows' gradient and its copy in the all-gather's dtype ([S, kv_lora]
+      and, on a layer that gathers its indexer keys and k-pool gate scores, [S, 2 * index_head_dim] in
+      fp32 too). The pooled keys of the whole sequence are the indexer workspace's."""
+    cp = cluster.cp
+    if cp == 1:
+        return {}, 0
+    T = -(-S // cp)
+    D = cfg.hidden_size
+    if kind == "K":
+        H, K = cfg.kda_heads, cfg.kda_head_dim
+        ret = 2 * T * H * K * a  # the return all-to-all: send and receive
+        if cluster.kda_cp == "hidden_gather":
+            return ({"kda cp: gathered hidden [S, hidden]": S * D * a,
+                     "kda cp: low-rank gates over the other ranks' tokens": (S - T) * 2 * K * a}, 2 * S * D * a + ret)
+        if cluster.kda_cp == "qkv_a2a":
+            return {"kda cp: received q/k/v [S, H/cp, 3K]": T * H * 3 * K * a}, 2 * T * H * (4 * K + 1) * a + ret
+        summaries = cp * 2 * H * K * 2 * K * 4
+        wide = 2 * T * H * K * a + -(-T // cfg.kda_chunk_size) * H * K * K * 4
+        return {"kda cp: the state pass's K wider values": wide, "kda cp: gathered span summaries": summaries}, summaries
+    L = cfg.kv_lora_rank
+    keys = full_indexer and not (plan.recompute == "on" and plan.reuse_selection)
+    gathered = S * (L + 2 * cfg.index_head_dim) * 4 if keys else S * L * a  # the keys are fp32: the rows widen
+    return {"dsa cp: gathered latents [S, kv_lora]": S * L * a}, S * L * 4 + 2 * gathered
+
+
+def _fsdp_bytes(cfg: ModelConfig, cluster: Cluster) -> tuple[int, list[int]]:
+    """(the root's gathered parameters, each block's parameters on this rank when gathered: all of them
+    but the routed experts, which are its 1/ep share)."""
+    c = _counts_of(cfg.to_json())
+    return c["root"] * cluster.param_bytes, [p - e + e // cluster.ep for p, e in c["blocks"]]
 
 
 def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan: MemoryPlan, a: int = 2,
-                            fla: bool = False, fla_norm: bool = False) -> dict:
+                            fla: bool = False, fla_norm: bool = False, ep: int = 1) -> dict:
     """Bytes a block saves for its backward when it runs *without* recompute, by component (the bytes
     one block's recompute re-creates). `fla`: KDA through fla-core (a GPU) rather than the torch twin;
-    `fla_norm`: its gated output norm through fla's kernel too (the default there) rather than ours.
+    `fla_norm`: its gated output norm through fla's kernel too (the default there) rather than ours;
+    `ep`: the routed experts are split over that many ranks (a rank casts only its own).
     Checked on the H200 against each sub-layer's recompute (allocated after minus before, 256k): fla KDA
     mixer 56.1 KB/token measured vs 55.9 counted (+ its output) with our gated norm, 37.5 counted with
     fla's (37.7 measured at 128k); the MoE's combine (`moe._WeightedCombine`) keeps no index_add_ source,
@@ -129,7 +229,7 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
         # the experts' bf16 copies (cast per call, layers/moe.py), saved by the grouped matmuls: one set
         # per MoE chunk of tokens
         chunks = -(-S // plan.moe_chunk) if plan.moe_chunk else 1
-        out["moe bf16 expert weights"] = chunks * cfg.n_routed_experts * 3 * D * I * a
+        out["moe bf16 expert weights"] = chunks * (cfg.n_routed_experts // ep) * 3 * D * I * a
     return out
 
 
@@ -172,6 +272,16 @@ def _moe_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, skew: float = 1.0
     rows = min(S, plan.moe_chunk) if plan.moe_chunk else S
     k, I, D = cfg.experts_per_token, cfg.moe_intermediate_size, cfg.hidden_size
     return int(rows * k * skew * (D * 2 + 3 * I * 2 + D * 4) + S * cfg.n_routed_experts * 4)
+
+
+def _ep_buffers(cfg: ModelConfig, S: int, plan: MemoryPlan, ep: int, a: int) -> int:
+    """EP's all-to-all buffers of one MoE chunk: the rows dispatched to this rank's experts (in) and their
+    outputs on the way back (out), tokens x top_k x hidden each, at even routing (the chunk bounds the
+    skew, as it bounds the MoE workspace)."""
+    if ep == 1:
+        return 0
+    rows = min(S, plan.moe_chunk) if plan.moe_chunk else S
+    return 2 * rows * cfg.experts_per_token * cfg.hidden_size * a
 
 
 def _mhc_stream_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, ran: dict[str, str]) -> int:
@@ -289,7 +399,7 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
 
 
 def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200", act_bytes: int = 2,
-             kernels=None, _chunk: str = "", _dsa_prefix: int = 0) -> dict:
+             kernels=None, _chunk: str = "", _dsa_prefix: int = 0, cluster: Cluster | None = None) -> dict:
     """The breakdown (bytes) for one step of S tokens per sequence split over `cp` GPUs.
     `act_bytes`: bytes per activation element (2 under bf16 autocast; 4 for an fp32 model).
     `kernels`: the training config's kernel settings (a KernelConfig; None = every op auto); what each op
@@ -302,12 +412,37 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     chunk of a sequence-chunked step, where the bf16 copies live through the whole step (it runs
     inside one autocast region), "last" (the backward sweep's first: gradients created as it goes)
     or "earlier" (every gradient already exists);
-    `_dsa_prefix`: the bytes a DSA block's backward holds for the sequence up to the chunk's end."""
+    `_dsa_prefix`: the bytes a DSA block's backward holds for the sequence up to the chunk's end.
+    `cluster`: the per-GPU breakdown of a step over several GPUs (its cp replaces `cp`); None or one GPU:
+    the single-process step."""
     if gpu not in GPUS:
         raise ConfigError(f"--gpu {gpu!r} is unknown; choose one of {', '.join(GPUS)}.")
+    if cluster is None:
+        return _estimate(cfg, S, plan, cp, gpu, act_bytes, kernels, _chunk, _dsa_prefix, None)
+    e = _estimate(cfg, S, plan, cluster.cp, gpu, act_bytes, kernels, _chunk, _dsa_prefix, cluster)
+    if cluster.opt_offload:  # the same bytes less in every phase of the step, that many more on the host
+        m = e["static"]["AdamW moments (fp32)"]
+        e = dict(e, static=dict(e["static"], **{"AdamW moments (fp32)": 0}), host_static={"AdamW moments (fp32)": m},
+                 phases_gpu_bytes={k: v - m for k, v in e["phases_gpu_bytes"].items()}, gpu_bytes=e["gpu_bytes"] - m,
+                 host_bytes=e["host_bytes"] + m)
+    if cluster.host is not None:
+        e = dict(e, host_capacity=cluster.host)
+    if not cluster.opt_offload and cluster.host is None:
+        return e
+    return dict(e, gpu_reserved_bytes=int(e["gpu_bytes"] * ALLOCATOR_SLACK),
+                fits=e["gpu_bytes"] * ALLOCATOR_SLACK <= e["gpu_capacity"] * GPU_FIT
+                and e["host_bytes"] <= e["host_capacity"] * HOST_FIT)
+
+
+def _estimate(cfg, S, plan, cp, gpu, act_bytes, kernels, _chunk, _dsa_prefix, cluster) -> dict:
     S_local = -(-S // cp)
+    multi = cluster is not None and cluster.gpus > 1
     if plan.seq_chunk_tokens() and plan.seq_chunk_tokens() < S_local:
-        return dict(_estimate_chunked(cfg, S_local, plan, gpu, act_bytes, kernels), seq_len=S, cp=cp)
+        if multi:
+            raise ConfigError(f"memory.seq_chunk={plan.seq_chunk} does not run sharded over several processes yet "
+                              "(the trainer refuses it); set memory.seq_chunk = off, or estimate one GPU.")
+        e = dict(_estimate_chunked(cfg, S_local, plan, gpu, act_bytes, kernels), seq_len=S, cp=cp)
+        return e if cluster is None else dict(e, cluster=dataclasses.asdict(cluster))
     n_params = _params(cfg)
     kinds, mlps = cfg.layer_kinds(), cfg.mlp_kinds()
     L = len(kinds)
@@ -321,8 +456,14 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     kept_gpu, kept_host = {}, {}
     ran = _kernels_run(cfg, plan, gpu, kernels)
     fla, fla_norm = ran.get("kda") == "fla", ran.get("kda_norm") == "fla"
-    per_block = [_block_activation_bytes(cfg, k, m, S_local, plan, a, fla, fla_norm)
+    G, ep = (cluster.gpus, cluster.ep) if cluster is not None else (1, 1)
+    per_block = [_block_activation_bytes(cfg, k, m, S_local, plan, a, fla, fla_norm, ep)
                  for k, m in zip(kinds, mlps)]
+    cp_exchange = [0] * L
+    if cluster is not None and cluster.cp > 1:
+        for i, k in enumerate(kinds):
+            extra, cp_exchange[i] = _cp_block_bytes(cfg, k, S, cluster, a, cfg.indexer_kinds()[i] == "f", plan)
+            per_block[i].update(extra)
     sel = S_local * cfg.index_width() * 4
     keeps_sel = _kept_selections(cfg, plan)
     kl = _indexer_kl_kept(cfg, S_local, a)
@@ -346,28 +487,54 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
             # at their exact size: the offloader page-locks its own buffers (memory/host_buffers.py), where torch's
             # pinned allocator would round each to a power of two (72 GiB for these 54 at 256k on the H200)
             host += sum(parts)
-    idx_ws = _indexer_workspace(cfg, S_local, plan, ran.get("indexer") == "triton") if "D" in kinds else 0
+    fused = ran.get("indexer") == "triton"
+    if cluster is not None and cluster.cp > 1:  # the sharded indexer: this rank's queries against the whole sequence's pools
+        idx_ws = _indexer_workspace(cfg, S, plan, fused, queries=S_local) if "D" in kinds else 0
+    else:
+        idx_ws = _indexer_workspace(cfg, S_local, plan, fused) if "D" in kinds else 0
     moe_ws = _moe_workspace(cfg, S_local, plan) if "m" in mlps else 0
+    ep_ws = _ep_buffers(cfg, S_local, plan, ep, a) if "m" in mlps else 0
     mhc_ws = _mhc_stream_workspace(cfg, S_local, plan, ran)
     loss_ws = _loss_workspace(cfg, S_local, plan)
-    base = {"parameters (fp32)": n_params * 4, "AdamW moments (fp32)": n_params * 8}
+    # FSDP shards every parameter byte over the G ranks (the routed experts 1/ep each, then over the G/ep
+    # ranks holding the same ones); one GPU runs no FSDP
+    base = {"parameters (fp32)": -(-n_params * 4 // G), "AdamW moments (fp32)": -(-n_params * 8 // G)}
+    root_g, block_g = _fsdp_bytes(cfg, cluster) if multi else (0, [0] * L)
+    if multi:
+        # the root is gathered for the whole step (parallelize: reshard_after_forward=False)
+        base["FSDP gathered root (embedding, head, norms)"] = root_g
     # autocast's cached bf16 copies: the weights that go through its casts (linear layers); the
     # embedding is indexed in fp32 and the experts are cast per call by the MoE (layers/moe.py): their
     # copies are a block's saved activations (_block_activation_bytes), not cached
     n_experts = mlps.count("m") * cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
     bf16 = (n_params - n_experts - cfg.vocab_size * cfg.hidden_size) * 2
+    if multi and cluster.param_bytes < 4:  # the gathered weights are bf16 already: autocast casts nothing
+        bf16 = 0
 
     # phase 1, the end of the forward: everything kept, the weight copies, the loss (the largest
     # transient of the forward: loss, indexer or MoE workspace)
     all_grads, in_chunks = _chunk == "earlier", bool(_chunk)
-    grads = (n_params if all_grads else head) * 4
+
+    def grads_after(i: int) -> float:
+        """Parameter gradients alive in the backward of block i (L: before the first block's): under FSDP
+        the root's unsharded until its reduce-scatter at the end of the backward, the blocks' 1/G shards."""
+        if all_grads:
+            return n_params * 4
+        if multi:
+            return head * cluster.param_bytes + per_block_params * (L - i) * 4 / G
+        return (head + per_block_params * (L - i)) * 4
+
+    grads = grads_after(L)
     fwd = {"LM head + loss": loss_ws, "indexer workspace": idx_ws, "MoE workspace": moe_ws}
+    if ep_ws:
+        del fwd["MoE workspace"]
+        fwd["MoE workspace + EP all-to-all buffers"] = moe_ws + ep_ws
     top = max(fwd, key=fwd.get)
     phases = [("the end of the forward (loss)", grads, bf16, L, {top: fwd[top]})]
     # phase 2.., the backward of block i: recomputed activations, state gradients, workspaces
     for i in reversed(range(L)):
         moe_i = moe_ws if mlps[i] == "m" else 0
-        grads = (n_params if all_grads else head + per_block_params * (L - i)) * 4
+        grads = grads_after(i)
         work = {"recomputed block activations": sum(per_block[i].values()) - attn_kept[i] if recompute else 0,
                 "state gradients (in flight)": 2 * state,
                 # the post-res backward opens the block's backward, the MoE's comes after: the larger counts
@@ -380,7 +547,14 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
                 # the D blocks' backward and the K blocks' after them 9 GiB under the measurement)
                 "offloaded block's saved tensors (back on the GPU)": saved[i] if i < n_off else 0,
                 "prefetched offload block": saved[i - 1] if 0 < i < n_off else 0,
-                "DSA latent rows to the chunk's end": _dsa_prefix if kinds[i] == "D" else 0}
+                "DSA latent rows to the chunk's end": _dsa_prefix if kinds[i] == "D" else 0,
+                "CP exchange buffers (backward)": cp_exchange[i],
+                "EP all-to-all buffers": ep_ws if mlps[i] == "m" else 0,
+                # this block gathered and the one before it prefetched; the block's gradient unsharded
+                # (fp32 for the reduce-scatter, after a bf16 one where the gathers are bf16)
+                "FSDP gathered block parameters (this + prefetched)":
+                    (block_g[i] + (block_g[i - 1] if i else 0)) * (cluster.param_bytes if multi else 0),
+                "FSDP unsharded block gradient": block_g[i] * ((4 if cluster.param_bytes == 4 else 6) if multi else 0)}
         phases.append((f"the backward of layer {i} ({kinds[i]})", grads, bf16 if in_chunks else 0, i + 1, work))
     best, by_phase = None, {}
     for name, g, w16, n_kept, work in phases:
@@ -393,7 +567,8 @@ def estimate(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str =
     released = {f"kept by layers {n_kept}..{L - 1}, freed by then": -sum(kept[n_kept:])} if n_kept < L else {}
     total_gpu = total
     cap = GPUS[gpu]
-    return {"seq_len": S, "cp": cp, "gpu": gpu, "plan": plan.to_dict(), "params": n_params, "peak_phase": phase,
+    extra = {} if cluster is None else {"cluster": dataclasses.asdict(cluster)}
+    return {**extra, "seq_len": S, "cp": cp, "gpu": gpu, "plan": plan.to_dict(), "params": n_params, "peak_phase": phase,
             "phases_gpu_bytes": by_phase,
             "static": static, "kept_gpu": kept_gpu, "kept_host": kept_host,
             "working": dict(released, **{k: v for k, v in work.items() if v}),

@@ -2,7 +2,12 @@
 asking the byte model (`longctx.memory.model_bytes.estimate`) of each candidate, cheapest first; and
 the report `longctx estimate` prints.
 
-`plan_for_stage` is what the trainer calls for each curriculum stage.
+`plan_for_stage` is what the trainer calls for each curriculum stage. Over several GPUs
+(`model_bytes.Cluster`) the candidates are the whole-sequence ones (the sequence-chunked step does not
+run sharded), and `parallel.cp = "auto"` takes the smallest CP with a plan that fits (`pick_cp`):
+context parallelism halves the sequences trained at once and pays for its exchanges, so it is the
+last resort, after recompute and offload (seed 000). `fit_cluster` searches the smallest cluster for a
+model and length, as `longctx estimate --fit` prints it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import torch
 from ..devices import resolve_dtype
 from ..errors import ConfigError
 from ..ops import int32_rows
-from .model_bytes import ALLOCATOR_SLACK, GIB, GPU_FIT, _stream_width, device_gpu_key, estimate
+from ..ops import INT32_ELEMENTS
+from .model_bytes import ALLOCATOR_SLACK, GIB, GPU_FIT, Cluster, _stream_width, device_gpu_key, estimate
 from .plan import MemoryPlan
 
 
@@ -55,6 +61,23 @@ def whole_sequence_max(cfg: ModelConfig) -> int:
     return int32_rows(widest_activation(cfg))
 
 
+def widest_elements(cfg: ModelConfig, S: int, cluster: Cluster) -> int:
+    """Elements of the widest activation tensor on one rank of `cluster` for S tokens per sequence: this
+    rank's S/cp tokens of `widest_activation`, or what its CP mode gathers over the whole sequence (KDA
+    hidden_gather: the hidden state [S, hidden] and its heads' conv input [S, 3 H/cp K]; qkv_a2a: the
+    received [S, H/cp, 4K+1]; DSA: the gathered rows [S, kv_lora + 2 index_head_dim])."""
+    cp = cluster.cp
+    T = -(-S // cp)
+    out = [T * widest_activation(cfg)]
+    kinds = cfg.layer_kinds()
+    if cp > 1 and "K" in kinds:
+        Hl, K = cfg.kda_heads // cp, cfg.kda_head_dim
+        out += {"hidden_gather": [S * cfg.hidden_size, S * 3 * Hl * K], "qkv_a2a": [S * Hl * (4 * K + 1)]}.get(cluster.kda_cp, [])
+    if cp > 1 and "D" in kinds:
+        out.append(S * (cfg.kv_lora_rank + 2 * cfg.index_head_dim))
+    return max(out)
+
+
 def whole_sequence_warning(cfg: ModelConfig, tokens: int, plan: MemoryPlan) -> str | None:
     """What to tell a user whose plan runs a whole-sequence step past `whole_sequence_max` (a forced
     seq_chunk=off), or None."""
@@ -66,19 +89,24 @@ def whole_sequence_warning(cfg: ModelConfig, tokens: int, plan: MemoryPlan) -> s
             f"memory.seq_chunk=auto chunks every sequence above {limit:,} tokens.")
 
 
-def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1) -> list[MemoryPlan]:
+def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, cluster: Cluster | None = None) -> list[MemoryPlan]:
     """The candidates `auto_plan` tries, cheapest first: no recompute, recompute, recompute + offload of 1, 2, ...
     blocks, then the sequence in chunks (the largest power-of-two chunk up to AUTO_CHUNK_MAX first, recompute
     on inside a chunk). With seq_chunk "auto", sequences past `whole_sequence_max` go to chunks directly.
     `reuse_attention` (when on) is a speed-for-memory trade (0.21 s for 4 GiB at 128k, H200): it is kept
     while offloading blocks can make room (offload measured free of step time at 256k), given up before
-    the sequence is chunked, and within a chunk length given up before the chunk is halved."""
+    the sequence is chunked, and within a chunk length given up before the chunk is halved.
+    Over several GPUs (`cluster`, whose cp replaces `cp`) no chunk lengths, and no whole-sequence choice
+    either where a rank's widest tensor passes 2^31 elements (`widest_elements`)."""
     choices = []
+    multi = cluster is not None and cluster.gpus > 1
+    if cluster is not None:
+        cp = cluster.cp
     S_local = -(-S // cp)
     limit = whole_sequence_max(cfg)
     rc = ["off", "on"] if plan.recompute == "auto" else [plan.recompute]
     whole = "off" if plan.seq_chunk == "auto" else plan.seq_chunk
-    if plan.seq_chunk == "auto" and S_local > limit:
+    if plan.seq_chunk == "auto" and (widest_elements(cfg, S, cluster) > INT32_ELEMENTS if multi else S_local > limit):
         rc = []  # no whole-sequence choice
     for r in rc:
         offs = (["0"] + [str(i) for i in range(1, cfg.num_layers + 1)]) if plan.offload == "auto" else [plan.offload]
@@ -88,7 +116,7 @@ def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1) -> lis
             if whole != "off" and o not in ("0", "off"):
                 continue
             choices.append(dataclasses.replace(plan, recompute=r, offload=o, seq_chunk=whole))
-    if plan.seq_chunk == "auto":
+    if plan.seq_chunk == "auto" and not multi:
         c = min(AUTO_CHUNK_MAX, 1 << max(0, (S_local - 1).bit_length() - 1))  # largest power of two below S_local
         c = min(c, 1 << max(0, limit.bit_length() - 1))
         while c >= 1024:
@@ -106,13 +134,20 @@ def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1) -> lis
 
 
 def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str = "h200",
-              act_bytes: int = 2, kernels=None) -> tuple[MemoryPlan, dict]:
+              act_bytes: int = 2, kernels=None, cluster: Cluster | None = None) -> tuple[MemoryPlan, dict]:
     """Resolve recompute/offload/seq_chunk "auto": the first of `plan_choices` whose estimate fits (else the
     last, with its estimate saying it does not). `kernels`: the kernel settings (a KernelConfig; None =
-    every op auto), which `estimate` asks `longctx.kernels.planned` about."""
+    every op auto), which `estimate` asks `longctx.kernels.planned` about. `cluster`: the per-GPU
+    estimate of a step over several GPUs (its cp replaces `cp`)."""
     last = None
-    for c in plan_choices(cfg, S, plan, cp):
-        e = estimate(cfg, S, c, cp, gpu, act_bytes, kernels)
+    if cluster is not None and cluster.gpus > 1 and plan.seq_chunk == "auto" and widest_elements(cfg, S, cluster) > INT32_ELEMENTS:
+        raise ConfigError(f"{S:,} tokens a sequence over {cluster.describe()} leave a tensor of "
+                          f"{widest_elements(cfg, S, cluster) / 1e9:.2f} G elements on each rank, past 2^31 (and the "
+                          "sequence-chunked step does not run sharded); use a larger cp"
+                          + (" or parallel.kda_cp = chunk_state." if "K" in cfg.layer_kinds() and cluster.cp > 1
+                             and cluster.kda_cp != "chunk_state" else "."))
+    for c in plan_choices(cfg, S, plan, cp, cluster):
+        e = estimate(cfg, S, c, cp, gpu, act_bytes, kernels, cluster=cluster)
         last = (c, e)
         if e["fits"]:
             return c, e
@@ -120,6 +155,103 @@ def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str 
         raise ConfigError(f"no memory plan to try for {S:,} tokens: the widest activation ({widest_activation(cfg):,} "
                           f"elements a token) leaves no chunk of >= 1024 tokens within 2^31 elements; set memory.seq_chunk.")
     return last
+
+
+def cp_candidates(cfg: ModelConfig, S: int, gpus: int, kda_cp: str = "hidden_gather", dp: int | None = None) -> list[int]:
+    """The CP degrees a step of S tokens a sequence can take on `gpus` ranks, smallest first: the divisors
+    of gpus (only gpus // dp when parallel.dp is set) that split S into the 2 cp equal zigzag chunks and,
+    in the head-split KDA modes, divide the KDA heads."""
+    head_split = kda_cp in ("hidden_gather", "qkv_a2a") and "K" in cfg.layer_kinds()
+    return [cp for cp in range(1, gpus + 1)
+            if gpus % cp == 0 and (dp is None or dp * cp == gpus)
+            and (cp == 1 or (S % (2 * cp) == 0 and not (head_split and cfg.kda_heads % cp)))]
+
+
+def pick_cp(cfg: ModelConfig, S: int, plan: MemoryPlan, gpus: int, ep: int = 1, kda_cp: str = "hidden_gather",
+            dp: int | None = None, gpu: str = "h200", act_bytes: int = 2, kernels=None,
+            **cluster_settings) -> tuple[Cluster, MemoryPlan, dict]:
+    """`parallel.cp = "auto"`: the smallest of `cp_candidates` with a memory plan that fits (`auto_plan`),
+    as (cluster, plan, estimate); when none fits, the largest tried, its estimate saying so.
+    `cluster_settings`: the rest of the Cluster (param_bytes, opt_offload, host)."""
+    last, why = None, None
+    for cp in cp_candidates(cfg, S, gpus, kda_cp, dp):
+        cl = Cluster(gpus=gpus, cp=cp, ep=ep, kda_cp=kda_cp, **cluster_settings)
+        try:
+            p, e = auto_plan(cfg, S, plan, cp, gpu, act_bytes, kernels, cluster=cl)
+        except ConfigError as err:  # past the int32 bound at this cp: a larger one may pass
+            why = err
+            continue
+        last = (cl, p, e)
+        if e["fits"]:
+            return last
+    if last is None:
+        raise why or ConfigError(f"no parallel.cp divides the {gpus} GPUs, splits {S:,} tokens into 2 x cp equal chunks "
+                                 f"and (parallel.kda_cp = {kda_cp}) divides model.kda_heads = {cfg.kda_heads}; "
+                                 "choose another number of GPUs or sequence length.")
+    return last
+
+
+FIT_SIZES = tuple(8 * 2**i for i in range(10))  # 8, 16, ..., 4096 GPUs
+
+
+def expert_parallel_choices(cfg: ModelConfig, gpus: int) -> list[int]:
+    """EP degrees a cluster can take: dividing both the GPUs and the routed experts, largest first (the
+    fewest expert bytes per rank); 1 for a model without MoE layers."""
+    if "m" not in cfg.mlp_kinds():
+        return [1]
+    return [e for e in range(gpus, 0, -1) if gpus % e == 0 and cfg.n_routed_experts % e == 0]
+
+
+def fit_on(cfg: ModelConfig, S: int, plan: MemoryPlan, gpus: int, gpu: str = "h200", act_bytes: int = 2, kernels=None,
+           param_bytes: int = 4, host: float | None = None, ep: int | None = None, kda_cp: str | None = None) -> dict:
+    """How a step of S tokens a sequence fits on `gpus` GPUs: the AdamW moments on the GPU first, then on
+    the host; the largest EP (or `ep`); the KDA modes in the order of their bytes sent (hidden_gather,
+    qkv_a2a, chunk_state; or `kda_cp`), each with its smallest CP that fits (`pick_cp`). Returns
+    {"gpus", "fits", "cluster", "plan", "estimate", "why"}: the first fitting choice, else the one with the
+    smallest GPU peak (or, where every choice passes the int32 bound, None and why)."""
+    from ..config.parallel import KDA_CP_MODES
+
+    eps = [ep] if ep else expert_parallel_choices(cfg, gpus)[:1]
+    if gpus % eps[0] or ("m" in cfg.mlp_kinds() and cfg.n_routed_experts % eps[0]):
+        return {"gpus": gpus, "fits": False, "cluster": None, "plan": None, "estimate": None,
+                "why": f"ep {eps[0]} does not divide {gpus} GPUs and {cfg.n_routed_experts} experts"}
+    best, why = None, None
+    for off in (False, True):
+        for mode in ([kda_cp] if kda_cp else KDA_CP_MODES):
+            try:
+                cl, p, e = pick_cp(cfg, S, plan, gpus, eps[0], mode, None, gpu, act_bytes, kernels,
+                                   param_bytes=param_bytes, opt_offload=off, host=host)
+            except ConfigError as err:
+                why = why or str(err)
+                continue
+            if e["fits"]:
+                return {"gpus": gpus, "fits": True, "cluster": cl, "plan": p, "estimate": e, "why": None}
+            if best is None or e["gpu_bytes"] < best[2]["gpu_bytes"]:
+                best = (cl, p, e)
+    cl, p, e = best or (None, None, None)
+    return {"gpus": gpus, "fits": False, "cluster": cl, "plan": p, "estimate": e, "why": None if best else why}
+
+
+def fit_cluster(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str = "h200", act_bytes: int = 2, kernels=None,
+                sizes=FIT_SIZES, **settings) -> dict:
+    """The smallest of `sizes` on which a step of S tokens a sequence fits (`fit_on` for each, in order):
+    {"gpus": that size or None, "found": its `fit_on` row or None, "tried": every row}."""
+    tried = []
+    for G in sizes:
+        tried.append(fit_on(cfg, S, plan, G, gpu, act_bytes, kernels, **settings))
+        if tried[-1]["fits"]:
+            return {"gpus": G, "found": tried[-1], "tried": tried}
+    return {"gpus": None, "found": None, "tried": tried}
+
+
+def dominant_term(e: dict) -> tuple[str, int]:
+    """The largest term of an estimate's peak: a static entry, the activations kept for backward (all
+    layers together) or one entry of the working set."""
+    terms = {k: v for k, v in e["static"].items()}
+    terms["activations kept for backward"] = sum(e["kept_gpu"].values())
+    terms.update({k: v for k, v in e["working"].items() if v > 0})
+    name = max(terms, key=terms.get)
+    return name, int(terms[name])
 
 
 def resolve_auto(plan: MemoryPlan, cfg: ModelConfig, tokens: int, device,
@@ -132,8 +264,11 @@ def resolve_auto(plan: MemoryPlan, cfg: ModelConfig, tokens: int, device,
 
 def format_report(e: dict, phases: bool = False) -> str:
     g = lambda b: f"{b / GIB:9.2f}"  # noqa: E731
-    lines = [f"estimate: {e['seq_len']:,} tokens/sequence, CP {e['cp']}, {e['gpu']}, {e['params'] / 1e9:.3f}B parameters",
-             f"plan: recompute={e['plan']['recompute']} offload={e['plan']['offload']} seq_chunk={e['plan']['seq_chunk']} "
+    lines = [f"estimate: {e['seq_len']:,} tokens/sequence, CP {e['cp']}, {e['gpu']}, {e['params'] / 1e9:.3f}B parameters"]
+    if e.get("cluster") and e["cluster"]["gpus"] > 1:
+        lines.append(f"per GPU of {Cluster(**e['cluster']).describe()}; FSDP shards every parameter over all "
+                     f"{e['cluster']['gpus']} (1/{e['cluster']['gpus']} each)")
+    lines += [f"plan: recompute={e['plan']['recompute']} offload={e['plan']['offload']} seq_chunk={e['plan']['seq_chunk']} "
              f"sparse_kernel={e['plan']['sparse_kernel']} chunked_indexer={e['plan']['chunked_indexer']}"]
     c = int(e["plan"]["seq_chunk"]) if str(e["plan"]["seq_chunk"]).isdigit() else 0
     S_local = -(-e["seq_len"] // e["cp"])
@@ -142,7 +277,8 @@ def format_report(e: dict, phases: bool = False) -> str:
                      f"(longctx/memory/sequence_chunks.py); 'one chunk' rows are per chunk")
     lines += ["", f"{'component':<40}{'GiB':>9}"]
     for title, part in (("static", e["static"]), ("kept for backward (GPU)", e["kept_gpu"]),
-                        ("kept for backward (host, offloaded)", e["kept_host"]), ("working set at the peak (and what is freed by then)", e["working"])):
+                        ("kept for backward (host, offloaded)", e["kept_host"]), ("host, for the optimizer step", e.get("host_static")),
+                        ("working set at the peak (and what is freed by then)", e["working"])):
         if not part:
             continue
         lines.append(f"-- {title}: {sum(part.values()) / GIB:.2f} GiB")
@@ -154,7 +290,8 @@ def format_report(e: dict, phases: bool = False) -> str:
     lines.append(f"{'GPU peak, allocated':<40}{g(e['gpu_bytes'])}")
     lines.append(f"{'GPU reserved (x' + str(ALLOCATOR_SLACK) + ' allocator slack)':<40}{g(e['gpu_reserved_bytes'])}  of "
                  f"{e['gpu_capacity'] / GIB:.1f} (fits: <= {GPU_FIT:.0%})")
-    lines.append(f"{'host (offloaded inputs)':<40}{g(e['host_bytes'])}  of {e['host_capacity'] / GIB:.1f}")
+    host_label = "host (offloaded inputs + optimizer)" if e.get("host_static") else "host (offloaded inputs)"
+    lines.append(f"{host_label:<40}{g(e['host_bytes'])}  of {e['host_capacity'] / GIB:.1f}")
     lines.append(f"verdict: {'fits' if e['fits'] else 'DOES NOT FIT'}")
     if phases and e.get("phases_gpu_bytes"):
         lines += ["", f"{'phase (GPU allocated)':<58}{'GiB':>9}"]
@@ -176,18 +313,83 @@ def parse_switches(items, flag: str = "--set") -> dict:
     return forced
 
 
-def plan_for_stage(cfg, stage, device, stage_index: int = 0) -> MemoryPlan:
-    """The plan for one curriculum stage: config `memory`, then the stage's `memory`, then the
-    estimator resolves "auto" (recompute and offload only when the stage would not fit)."""
+def stage_cluster(cfg, stage, world: int, cp: int | None = None) -> tuple[Cluster | None, int]:
+    """(the Cluster a stage's step runs on over `world` processes, the tokens of one dp rank's rows): each
+    dp rank takes batch_size / dp of the global batch's rows; one process (world 1): (None, the batch)."""
+    if world <= 1:
+        return None, stage.seq_len * stage.batch_size
+    par = cfg.parallel
+    cp = par.cp if cp is None else cp
+    ep = getattr(par, "ep", None) or 1
+    return Cluster(gpus=world, cp=cp, ep=ep, kda_cp=par.kda_cp), stage.seq_len * max(1, stage.batch_size // (world // cp))
+
+
+def _stage_plan(cfg, stage, device, world: int, cp: int | None = None) -> tuple[MemoryPlan, dict | None]:
     plan = MemoryPlan.from_dict(cfg.memory)
     if stage.memory:
         plan = MemoryPlan.from_dict(stage.memory, base=plan)
     act_bytes = resolve_dtype(cfg.dtype, torch.device(device)).itemsize  # activations in the autocast dtype
-    resolved, est = resolve_auto(plan, cfg.model, stage.seq_len * stage.batch_size, device, act_bytes, cfg.kernels)
+    cluster, tokens = stage_cluster(cfg, stage, world, cp)
+    if cluster is None:
+        return resolve_auto(plan, cfg.model, tokens, device, act_bytes, cfg.kernels)
+    gpu = device_gpu_key(device)
+    if "auto" not in (plan.recompute, plan.offload, plan.seq_chunk):
+        return plan, estimate(cfg.model, tokens, plan, cluster.cp, gpu, act_bytes, cfg.kernels, cluster=cluster)
+    return auto_plan(cfg.model, tokens, plan, cluster.cp, gpu, act_bytes, cfg.kernels, cluster=cluster)
+
+
+def stage_estimate(cfg, stage, plan: MemoryPlan, device, world: int = 1) -> dict:
+    """The estimate of a stage's step under `plan` on this rank (what each step's line shows its peak beside)."""
+    cluster, tokens = stage_cluster(cfg, stage, world)
+    return estimate(cfg.model, tokens, plan, 1 if cluster is None else cluster.cp, device_gpu_key(device),
+                    resolve_dtype(cfg.dtype, torch.device(device)).itemsize, cfg.kernels, cluster=cluster)
+
+
+def resolve_parallel(cfg, world: int, device):
+    """cfg.parallel with `cp = "auto"` resolved for `world` processes: the smallest cp that divides the
+    world (world // parallel.dp when dp is set) and, in the head-split KDA modes, the KDA heads, splits
+    every stage's rows into 2 cp zigzag chunks and its batch over the dp ranks, and gives every stage a
+    memory plan that fits. The mesh is built once for the run, so one cp serves all stages."""
+    import dataclasses
+
+    par = cfg.parallel
+    if par.cp != "auto":
+        return par
+    if world <= 1:
+        return dataclasses.replace(par, cp=1)
+    head_split = par.kda_cp in ("hidden_gather", "qkv_a2a") and "K" in cfg.model.layer_kinds()
+    stages = cfg.stages
+    cands = [cp for cp in range(1, world + 1)
+             if world % cp == 0 and (par.dp is None or par.dp * cp == world)
+             and all(s.batch_size % (world // cp) == 0 for s in stages)
+             and (cp == 1 or (all(s.seq_len % (2 * cp) == 0 for s in stages)
+                              and not (head_split and cfg.model.kda_heads % cp)))]
+    why = None
+    for cp in cands:
+        try:
+            if all(_stage_plan(cfg, s, device, world, cp)[1]["fits"] for s in stages):
+                return dataclasses.replace(par, cp=cp)
+        except ConfigError as err:  # past the int32 bound at this cp
+            why = err
+    longest = max(stages, key=lambda s: s.seq_len * s.batch_size)
+    raise ConfigError(f"parallel.cp = auto: none of cp = {', '.join(map(str, cands)) or '-'} on {world} processes fits "
+                      f"every stage (the longest: {longest.seq_len:,} tokens x batch {longest.batch_size})"
+                      + (f" ({why})" if why else "") + "; use more GPUs or shorter stages (see `longctx estimate --gpus`).")
+
+
+def plan_for_stage(cfg, stage, device, stage_index: int = 0, world: int = 1) -> MemoryPlan:
+    """The plan for one curriculum stage: config `memory`, then the stage's `memory`, then the
+    estimator resolves "auto" (recompute and offload only when the stage would not fit). `world`: the
+    processes torchrun started; over several, the per-GPU estimate of the (dp, cp) mesh of
+    `cfg.parallel` (cp resolved, `resolve_parallel`) decides, with the whole-sequence step only."""
+    resolved, est = _stage_plan(cfg, stage, device, world)
     if est is not None and not est["fits"]:
+        where = "this device" if world <= 1 else f"each of the {world} processes (parallel.cp = {cfg.parallel.cp})"
         raise ConfigError(
-            f"stages.{stage_index}.seq_len ({stage.seq_len:,} x batch {stage.batch_size}) does not fit on this device even with "
-            f"recompute, offload and sequence chunks (estimated {est['gpu_reserved_bytes'] / 2**30:.0f} GiB reserved of {est['gpu_capacity'] / 2**30:.0f}); "
-            "lower the sequence length or batch size (see `longctx estimate`)."
+            f"stages.{stage_index}.seq_len ({stage.seq_len:,} x batch {stage.batch_size}) does not fit on {where} even with "
+            f"recompute, offload{' and sequence chunks' if world <= 1 else ''} (estimated {est['gpu_reserved_bytes'] / 2**30:.0f} GiB reserved of {est['gpu_capacity'] / 2**30:.0f}); "
+            + ("lower the sequence length or batch size (see `longctx estimate`)." if world <= 1 else
+               "raise parallel.cp (or set it to auto), use more GPUs, or lower the sequence length or batch size "
+               "(see `longctx estimate --gpus`).")
         )
     return resolved

@@ -15,6 +15,8 @@ Under torchrun (WORLD_SIZE > 1) the run is sharded over a (dp, cp) mesh (the `pa
 FSDP2 per block, each dp rank taking its rows of the stage's global batch and each cp rank its zigzag
 chunks of every row, each rank's loss its share of the global mean, MoE statistics over all ranks'
 tokens, checkpoints through torch.distributed.checkpoint; rank 0 alone prints and writes the run files.
+A checkpoint resumes by its format at any world size. Workers that torchrun restarts (--max-restarts)
+resume from the run's last checkpoint by themselves (`Trainer._restarted`, OUT/torchrun_job).
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device):
 
 
 # ---------------------------------------------------------------------- the run folder
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "per_position_loss.png")
+JOB_FILE = "torchrun_job"  # which torchrun job writes the run (see `Trainer._restarted`)
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "per_position_loss.png", JOB_FILE)
 TB_DIR = "tb"  # TensorBoard's event files (events.out.tfevents.*)
 
 
@@ -102,8 +105,9 @@ def run_markers(out: str) -> list[str]:
 
 def clear_run(out: str) -> list[str]:
     """Delete what a run writes into `out`, and nothing else: the ckpt-<step> folders (whole or
-    .partial), the checkpoint link, config.json, metrics.jsonl, summary.json, the two plots and the
-    TensorBoard event files in tb/ (tb/ itself when that leaves it empty). Returns what it removed."""
+    .partial), the checkpoint link, config.json, metrics.jsonl, summary.json, the two plots, the
+    torchrun job file and the TensorBoard event files in tb/ (tb/ itself when that leaves it empty).
+    Returns what it removed."""
     if not os.path.isdir(out):
         return []
     removed = []
@@ -143,6 +147,44 @@ def check_out_dir(out: str, resume: bool, force: bool) -> None:
         raise RunFolderError(f"--out {out} already holds a run ({', '.join(held[:4])}); pass --resume to continue "
                              "it, or --force to start afresh (deleting its checkpoints, metrics, config, plots and "
                              "TensorBoard events).")
+
+
+# ---------------------------------------------------------------------- restarts (torchrun --max-restarts)
+def restart_count() -> int:
+    """How many times torchrun has restarted this node's workers (0 outside torchrun)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def torchrun_job() -> str | None:
+    """This torchrun job as rank 0 sees it: the rendezvous id, the host and the agent process (this
+    worker's parent, with its start time), which outlives the job's restarts and no longer. None
+    outside torchrun. The id alone would not do: without --standalone or --rdzv-id it is "none" for
+    every job."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return None
+    import socket
+
+    agent, started = os.getppid(), ""
+    try:
+        with open(f"/proc/{agent}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22, the start time in clock ticks
+    except (OSError, IndexError):
+        pass
+    return f"{run_id} {socket.gethostname()} {agent} {started}"
+
+
+def job_file_is_ours(out: str) -> bool:
+    """Whether OUT/torchrun_job names this process's torchrun job (as rank 0 wrote it)."""
+    job = torchrun_job()
+    try:
+        with open(os.path.join(out, JOB_FILE)) as f:
+            return job is not None and f.read().strip() == job
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------- interruptions
@@ -227,8 +269,10 @@ def _pipe_safe(log):
 # What a resume may change: how long the stages run and how often the run logs, evaluates and
 # checkpoints. Everything else (model, data, window lengths, schedules, memory plan, kernels, seed)
 # stays as the run was started, so the resumed run continues the same training.
-RESUMABLE = re.compile(r"stages\.\d+\.steps|log_every|eval_every|ckpt_every")
-RESUMABLE_SAID = "stages.N.steps, eval_every, ckpt_every and log_every"
+# The parallel settings may change too: a checkpoint is read at any world size and cp degree, and the
+# losses do not depend on them (a stage's batch_size is the global batch).
+RESUMABLE = re.compile(r"stages\.\d+\.steps|log_every|eval_every|ckpt_every|parallel\.\w+")
+RESUMABLE_SAID = "stages.N.steps, eval_every, ckpt_every, log_every and parallel.*"
 _UNSET = object()
 
 
@@ -391,10 +435,13 @@ class Trainer:
         self.n_params = self.model.num_parameters()  # counted whole, before any sharding
         if self.mesh is not None:
             from ..distributed.balance import attach_statistics, statistics_group
+            from ..distributed.expert_parallel import apply_expert_parallel
             from ..distributed.fsdp import parallelize
 
             # the memory plan only sets module switches and the block policy (applied per stage), so
-            # the sharding goes on now: the optimizer must see the sharded parameters
+            # the sharding goes on now: the optimizer must see the sharded parameters (each rank's
+            # experts first, which FSDP then shards over the ranks holding the same experts)
+            apply_expert_parallel(self.model, self.mesh, cfg.parallel.ep)
             parallelize(self.model, self.mesh)
             attach_statistics(self.model, statistics_group(self.mesh))
             self._set_cp(True)
@@ -420,6 +467,9 @@ class Trainer:
             raise ConfigError(f"device = {cfg.device} runs on {self.device.type}, but torchrun's processes hold "
                               f"{device.type} devices; set device = auto.")
         self.device = device
+        from ..memory.planner import resolve_parallel
+
+        cfg.parallel = resolve_parallel(cfg, world, device)  # parallel.cp = auto: the smallest cp that fits
         mesh = build_mesh(world, cfg.parallel)
         self.dp, self.dp_rank = cfg.parallel.validate(world).dp, dp_rank(mesh)
         self.cp, self.cp_rank = cfg.parallel.cp, cp_rank(mesh)
@@ -534,14 +584,6 @@ class Trainer:
         dist.barrier()  # no rank reads the link before it points at this step
         return path
 
-    def _load_sharded(self) -> dict:
-        from ..distributed import checkpoint as dckpt
-
-        st = dckpt.load(os.path.realpath(os.path.join(self.out, ckpt.LINK)), self.model, self.opt)
-        if st.get("rng") is not None:
-            ckpt.set_rng_state(st["rng"])
-        return {"step": st.get("step", 0), **(st.get("trainer") or {})}
-
     def resume(self):
         """Continue from OUT/checkpoint. self.cfg may differ from the run's saved config only in
         RESUMABLE settings (logged); anything else is refused before the run folder changes."""
@@ -549,8 +591,11 @@ class Trainer:
             raise RunFolderError(f"--resume: --out {self.out} has no checkpoint (the run stopped before writing one, or "
                                  "its checkpoint link points nowhere); start the run afresh with --force.")
         saved, where = read_run_config(self.out)
-        st = (self._load_sharded() if self.mesh is not None else
-              ckpt.load(self.out, self.model, self.opt, device=self.device))
+        from ..distributed.checkpoint import load_checkpoint
+
+        # by the checkpoint's format, not this run's world size: a sharded one resumes in one process,
+        # a one-process one under torchrun
+        st = load_checkpoint(self.out, self.model, self.opt, device=self.device)
         changes = resume_changes(saved, self.cfg, st.get("step", 0), where)
         self.step = self._saved_step = st.get("step", 0)
         self.stream.load_state_dict(st["data"])
@@ -696,7 +741,27 @@ class Trainer:
                 self._tb.close()
                 self._tb = None
 
+    def _restarted(self) -> bool:
+        """Whether torchrun restarted this job's workers (--max-restarts) after the run in self.out
+        began: some rank's restart count is above 0 (a node's count rises only when its own workers
+        failed) and rank 0 finds its job in OUT/torchrun_job, which a first attempt that refused the
+        folder (another run, without --force) never wrote. Decided on rank 0's and every rank's
+        word together, so all ranks resume, or start afresh, alike."""
+        count, ours = restart_count(), job_file_is_ours(self.out) if self.rank == 0 else False
+        if self.mesh is None:
+            return count > 0 and ours
+        import torch.distributed as dist
+
+        t = torch.tensor([count, int(ours)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0] > 0 and t[1] > 0)
+
     def _run(self, resume: bool, stop_after: int | None, force: bool) -> dict:
+        if self._restarted():  # torchrun restarted the workers: they continue their job's run by themselves
+            resume, force = (True, False) if os.path.isdir(os.path.join(self.out, ckpt.LINK)) else (False, True)
+            if not self.quiet:
+                how = "from its last checkpoint" if resume else "afresh (the failed attempt left no checkpoint)"
+                self.log(f"torchrun restart {restart_count()}: continuing the run in {self.out} {how}")
         check_out_dir(self.out, resume, force and not resume)
         if self.mesh is not None:  # every rank has judged the folder before rank 0 changes it
             import torch.distributed as dist
@@ -712,6 +777,12 @@ class Trainer:
         if self.rank == 0:
             with open(os.path.join(self.out, "config.json"), "w") as f:
                 json.dump(self.cfg.to_dict(), f, indent=2, default=str)
+            job, job_file = torchrun_job(), os.path.join(self.out, JOB_FILE)
+            if job is not None:  # what lets this job's restarted workers continue the run (_restarted)
+                with open(job_file, "w") as f:
+                    f.write(job + "\n")
+            elif os.path.exists(job_file):
+                os.remove(job_file)
             self._tb = TensorBoard(os.path.join(self.out, TB_DIR))
         n = self.n_params
         if not self.quiet:
@@ -792,16 +863,15 @@ class Trainer:
         from ..memory.plan import apply_plan
         from ..memory.planner import plan_for_stage
 
-        plan = plan_for_stage(self.cfg, stage, self.device, self.cfg.stages.index(stage))
+        plan = plan_for_stage(self.cfg, stage, self.device, self.cfg.stages.index(stage), world=self.world)
         if getattr(self.memory_policy, "close", None) is not None:
             self.memory_policy.close()  # the previous stage's kept pinned buffers
         self.memory_policy = apply_plan(self.model, plan)
         self.stage_estimate_gib = None
         if self.device.type == "cuda":  # each step's line then shows the measured peak beside it
-            from ..memory.model_bytes import device_gpu_key, estimate
+            from ..memory.planner import stage_estimate
 
-            e = estimate(self.cfg.model, stage.seq_len * stage.batch_size, plan, 1, device_gpu_key(self.device),
-                         self.dtype.itemsize, self.cfg.kernels)
+            e = stage_estimate(self.cfg, stage, plan, self.device, self.world)
             self.stage_estimate_gib = e["gpu_bytes"] / 2**30
         from ..memory.planner import whole_sequence_warning
 
