@@ -25,7 +25,7 @@ def test_defaults_set_print_and_round_trip():
     assert (c.parallel.cp, c.parallel.dp, c.parallel.kda_cp) == (2, None, "chunk_state")
     text = to_toml(c)
     assert "\n[parallel]\ncp = 2\n# dp = (unset)\nkda_cp = \"chunk_state\"\n" in text
-    assert tomllib.loads(text)["parallel"] == {"cp": 2, "kda_cp": "chunk_state"}
+    assert tomllib.loads(text)["parallel"] == {"cp": 2, "kda_cp": "chunk_state", "ep": 1}
     assert TrainConfig.from_dict(json.loads(c.to_json())) == c
 
 
