@@ -38,17 +38,24 @@ def _train(a) -> int:
     if hasattr(sys.stdout, "reconfigure"):  # each step line reaches `| tee` as it happens, not 8 KiB later
         sys.stdout.reconfigure(line_buffering=True)
     Trainer(cfg, quiet=a.quiet).run(resume=a.resume, stop_after=a.max_steps, force=a.force)
-    _leave_process_group()
+    if _leave_process_group():
+        # the run's files are written and closed; the interpreter's teardown of gloo's threads can
+        # still std::terminate a restarted worker, which torchrun would count as a failure
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
-def _leave_process_group() -> None:
+def _leave_process_group() -> bool:
     """Under torchrun, take the process group down before the interpreter does: its teardown at exit,
     in whatever order finalization frees the store and the backend's threads, can abort the process
     (std::terminate) after a run that completed, which torchrun reports as a failed worker."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        return True
+    return False
 
 
 def _resolve_device(name: str):
