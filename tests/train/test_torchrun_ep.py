@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_torchrun import SETS, TORCHRUN, _evals, _steps, _train, one_process  # noqa: F401 - the shared one-process run
+from test_torchrun import REPO, SETS, TORCHRUN, _evals, _steps, _train, one_process  # noqa: F401 - the shared one-process run
 
 
 @pytest.mark.parametrize("parallel,mesh", [(("parallel.ep=2",), "dp 2 x cp 1"),
@@ -46,4 +46,5 @@ def test_an_ep_that_does_not_divide_the_experts_is_one_sentence(tmp_path):
     assert r.returncode != 0
     out = r.stdout + r.stderr
     assert "model.n_routed_experts = 4 is not a multiple of parallel.ep = 8; choose an ep that divides 4." in out, out[-2000:]
-    assert "Traceback" not in out, out[-2000:]
+    # no traceback of ours (torchrun prints its own report of the failed workers)
+    assert os.path.join(REPO, "longctx") not in out, out[-2000:]
