@@ -196,8 +196,6 @@ def _estimate(a) -> int:
 
 def _estimate_cluster(a, cfg, plan, kernels) -> int:
     """`longctx estimate --gpus G [--cp K] [--ep E]` (the per-GPU breakdown) and `--fit` (the smallest cluster)."""
-    import dataclasses
-
     from .errors import ConfigError
     from .memory.model_bytes import GIB, GPUS, Cluster
     from .memory.planner import auto_plan, cp_candidates, dominant_term, fit_cluster, format_report, pick_cp

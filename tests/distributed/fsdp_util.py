@@ -46,3 +46,22 @@ def optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, eps=LR, weight_decay=0.1, betas=(0.9, 0.95))
 
 
+
+
+def one_process_step(model, opt, x, y, pieces: int) -> dict:
+    """The single-process reference step: the loss and gradients of the whole batch taken in `pieces`
+    consecutive micro-batches (each weighted by its share of the labels, the grouping of sums the
+    sharded runs follow), the clipped gradient norm, and the parameters after the optimizer step."""
+    from longctx.distributed.fsdp import clip_grad_norm_
+
+    n = (y != -100).sum()
+    loss = 0.0
+    for xm, ym in zip(x.chunk(pieces), y.chunk(pieces)):
+        part = model(xm, labels=ym, return_logits=False).lm_loss * ((ym != -100).sum() / n)
+        part.backward()
+        loss += part.item()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    norm = clip_grad_norm_(list(model.parameters()), 0.5)
+    opt.step()
+    return {"loss": loss, "grads": grads, "norm": float(norm),
+            "params": {k: p.detach().clone() for k, p in model.named_parameters()}}

@@ -24,7 +24,7 @@ import torch
 
 import launch
 from cp_util import randomize, rel
-from fsdp_util import LR, B, S, batch, build, optimizer
+from fsdp_util import LR, B, S, batch, build, one_process_step, optimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the one-process references: tiny ops
 TOL = 1e-5
@@ -150,27 +150,14 @@ def model_reference(pieces: int, residual: str = "mhc") -> dict:
     """One process: loss, gradients, grad norm and post-step parameters of the whole batch in
     `pieces` micro-batches (test_fsdp's docstring: the same grouping of the sums), and the pending
     biases of one forward over the whole batch (what a step's forward over all ranks records)."""
-    from longctx.distributed.fsdp import clip_grad_norm_
-
     model = build_model(residual)
     x, y = batch()
     with torch.no_grad():
         model(x)
     bias = pending(model)
     model = build_model(residual)
-    opt = optimizer(model)
-    n = (y != -100).sum()
-    loss = 0.0
-    for xm, ym in zip(x.chunk(pieces), y.chunk(pieces)):
-        part = model(xm, labels=ym, return_logits=False).lm_loss * ((ym != -100).sum() / n)
-        part.backward()
-        loss += part.item()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    norm = clip_grad_norm_(list(model.parameters()), 0.5)
-    opt.step()
     experts = sum(p.numel() * p.element_size() for k, p in model.named_parameters() if ".experts." in k)
-    return {"loss": loss, "grads": grads, "norm": float(norm), "bias": bias, "experts": experts,
-            "params": {k: p.detach().clone() for k, p in model.named_parameters()}}
+    return {**one_process_step(model, optimizer(model), x, y, pieces), "bias": bias, "experts": experts}
 
 
 def sharded_model(world: int, ep: int, cp: int = 1, residual: str = "mhc"):

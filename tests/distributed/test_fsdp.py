@@ -24,7 +24,7 @@ import torch
 
 import launch
 from cp_util import rel
-from fsdp_util import LR, B, batch, build, optimizer
+from fsdp_util import LR, B, batch, build, one_process_step, optimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the one-process references: tiny ops
 TOL = 1e-5
@@ -39,25 +39,13 @@ def step_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def reference(recompute: bool, pieces: int) -> dict:
     """One process: the loss, gradients and post-step parameters of the whole batch, taken in
     `pieces` consecutive micro-batches (see the module docstring for why)."""
-    from longctx.distributed.fsdp import clip_grad_norm_
-
     model = build()
     if recompute:
         from longctx.memory.recompute import RecomputePolicy
 
         model.block_fn = RecomputePolicy(recompute=True)
-    opt = optimizer(model)
     x, y = batch()
-    n = (y != -100).sum()
-    loss = 0.0
-    for xm, ym in zip(x.chunk(pieces), y.chunk(pieces)):
-        part = model(xm, labels=ym, return_logits=False).lm_loss * ((ym != -100).sum() / n)
-        part.backward()
-        loss += part.item()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    norm = clip_grad_norm_(list(model.parameters()), 0.5)
-    opt.step()
-    return {"loss": loss, "grads": grads, "norm": float(norm), "params": {k: p.detach().clone() for k, p in model.named_parameters()}}
+    return one_process_step(model, optimizer(model), x, y, pieces)
 
 
 def check_data_parallel(rank: int, world: int, recompute: bool, micro: int, want: dict, cp: int = 1) -> dict:

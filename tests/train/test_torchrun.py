@@ -52,6 +52,18 @@ def _steps(out):
     return [r for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r]
 
 
+def assert_resumes_to_the_last_step(out, sets, last_loss: float) -> None:
+    """A two-process run one step shorter, continued by --resume, takes the uninterrupted run's last step."""
+    short = [s if s != "stages.1.steps=2" else "stages.1.steps=1" for s in sets]
+    r = _train(out, *TORCHRUN, sets=short)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = _train(out, *TORCHRUN, "--resume", sets=sets)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    c = _steps(out)
+    assert [x["step"] for x in c] == [1, 2, 3, 4, 5]
+    assert abs(c[-1]["loss"] - last_loss) <= 1e-6 * abs(last_loss), (c[-1]["loss"], last_loss)
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
@@ -89,14 +101,7 @@ def test_two_processes_under_torchrun_equal_one(tmp_path, one_process, parallel,
     assert os.path.basename(ck) == "ckpt-000005" and {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ck))
 
     # the sharded checkpoint resumes: a run one step shorter, continued by --resume, takes the same last step
-    short = [s if s != "stages.1.steps=2" else "stages.1.steps=1" for s in sets]
-    r = _train(tmp_path / "resumed", *TORCHRUN, sets=short)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    r = _train(tmp_path / "resumed", *TORCHRUN, "--resume", sets=sets)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    c = _steps(tmp_path / "resumed")
-    assert [x["step"] for x in c] == [1, 2, 3, 4, 5]
-    assert abs(c[-1]["loss"] - b[-1]["loss"]) <= 1e-6 * abs(b[-1]["loss"]), (c[-1]["loss"], b[-1]["loss"])
+    assert_resumes_to_the_last_step(tmp_path / "resumed", sets, b[-1]["loss"])
 
 
 def test_a_batch_that_does_not_split_is_one_sentence(tmp_path):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_torchrun import REPO, SETS, TORCHRUN, _evals, _steps, _train, one_process  # noqa: F401 - the shared one-process run
+from test_torchrun import (REPO, SETS, TORCHRUN, _evals, _steps, _train, assert_resumes_to_the_last_step,  # noqa: F401
+                           one_process)  # the shared one-process run
 
 
 @pytest.mark.parametrize("parallel,mesh", [(("parallel.ep=2",), "dp 2 x cp 1"),
@@ -31,14 +32,7 @@ def test_expert_parallel_under_torchrun_equals_one_process(tmp_path, one_process
     ck = os.path.realpath(tmp_path / "ep2" / "checkpoint")
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ck))
 
-    short = [s if s != "stages.1.steps=2" else "stages.1.steps=1" for s in sets]
-    r = _train(tmp_path / "resumed", *TORCHRUN, sets=short)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    r = _train(tmp_path / "resumed", *TORCHRUN, "--resume", sets=sets)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    c = _steps(tmp_path / "resumed")
-    assert [x["step"] for x in c] == [1, 2, 3, 4, 5]
-    assert abs(c[-1]["loss"] - b[-1]["loss"]) <= 1e-6 * abs(b[-1]["loss"]), (c[-1]["loss"], b[-1]["loss"])
+    assert_resumes_to_the_last_step(tmp_path / "resumed", sets, b[-1]["loss"])
 
 
 def test_an_ep_that_does_not_divide_the_experts_is_one_sentence(tmp_path):
