@@ -10,8 +10,8 @@ they send, each with its smallest cp that fits; the cheapest memory plan of reco
 offload), its per-GPU peak and the term that dominates it; and for each length the smallest cluster of
 8, 16, 32, ... GPUs on which it fits. Writes OUT/estimate_glm53flash.json (command, date, commit, the
 assumptions, every cell) and prints the markdown table. It runs nothing on a GPU: every figure is the
-byte model's (longctx/memory/model_bytes.py), whose many-GPU terms are counted from the code and not
-yet measured on several GPUs.
+byte model's (longctx/memory/model_bytes.py), whose many-GPU terms are counted from the tensors the
+code allocates.
 """
 
 from __future__ import annotations

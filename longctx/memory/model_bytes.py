@@ -32,7 +32,8 @@ tokens, as with `cp` alone; and what the distributed step holds besides: FSDP's 
 (the root whole for the step, a block and its prefetched neighbour at a time, a block's unsharded
 gradient before its reduce-scatter), what each CP mode gathers (`_cp_block_bytes`: the whole
 sequence's rows each mode reads, counted from longctx/distributed/kda_cp.py and dsa_cp.py) and EP's
-all-to-all buffers. These terms are counted from the code, not yet measured on several GPUs.
+all-to-all buffers. These terms are counted from the tensors the code allocates; the per-rank peaks a
+many-GPU run records (metrics.jsonl's peak_gib_ranks) are what check them.
 """
 
 from __future__ import annotations
