@@ -37,7 +37,19 @@ class ModelOutput:
     aux: dict = field(default_factory=dict)
 
 
-class Block(nn.Module):
+class CallsAsForward:
+    """`module.call(fn)` runs `fn(module)` as a forward of the module. Code that drives a module's
+    parameters outside its `forward` (the sequence-chunked step calls the model's `embed_state`,
+    `norm` and `chunked_token_losses`, and a DSA block's indexer KL, itself) runs through here so
+    that FSDP, which registers `call` as a forward method of each unit
+    (`distributed.fsdp.parallelize`), gathers the unit's parameters around it as around `forward`.
+    `fn` takes no tensors: FSDP would cast, or hook for its gradient, a forward's tensor inputs."""
+
+    def call(self, fn):
+        return fn(self)
+
+
+class Block(CallsAsForward, nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int, mixer_res: nn.Module, mlp_res: nn.Module):
         super().__init__()
         self.idx = idx
@@ -74,7 +86,7 @@ class Block(nn.Module):
         return state, selection
 
 
-class LongCtxModel(nn.Module):
+class LongCtxModel(CallsAsForward, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg.validate()

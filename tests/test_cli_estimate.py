@@ -29,7 +29,9 @@ def test_one_gpu_prints_todays_estimate(capsys):
 
 
 def test_gpus_prints_the_per_gpu_breakdown_and_the_cp_it_picks(capsys):
-    rc, out, _ = _run(capsys, "--preset", "h200-ref", "--seq-len", "65536", "--gpus", "4", "--gpu", "cpu")
+    # whole sequences (cp 1 would fit by chunking them)
+    rc, out, _ = _run(capsys, "--preset", "h200-ref", "--seq-len", "65536", "--gpus", "4", "--gpu", "cpu",
+                      "--set", "seq_chunk=off")
     assert rc == 0, out
     assert "per GPU of 4 GPUs = dp 2 x cp 2" in out and "cp 2: the smallest of 1, 2, 4 whose plan fits" in out
     for word in ("FSDP gathered root", "FSDP gathered block parameters", "CP exchange buffers", "dominant term:"):

@@ -42,13 +42,21 @@ reduce-scatter of the block's gradient runs there). FSDP does not reshard after 
 inside backward, so the recompute's gathered parameters serve its backward: two all-gathers and one
 reduce-scatter per block per step, as without recompute (a test counts them).
 
-Not covered: code that uses the root's parameters outside `model.forward` — the sequence-chunked
-step calls `embed_state`, `norm` and `chunked_token_losses` itself. FSDP gathers a unit's
-parameters only around its module's forward (or methods registered with
-`register_fsdp_forward_method`) and reshards it once the gradient reaches that call's inputs, so
-the root must be split to match those calls before that step can run sharded: registering the two
-methods as they are frees the final norm's weight before its backward (the root's post-backward
-fires when the gradient reaches `chunked_token_losses`' input, which `norm` produced).
+The sequence-chunked step (memory/sequence_chunks.py) calls the root's `embed_state`, `norm` and
+`chunked_token_losses` itself, chunk by chunk, rather than `model.forward`. FSDP gathers a unit's
+parameters only around a forward, so the step runs each sweep and each chunk's graph through
+`model.call` (`model.CallsAsForward`), which `parallelize` registers as a forward method of the
+root: the root is gathered around it (and stays so: reshard_after_forward=False), and since `call`
+takes no tensors FSDP hooks no input, so the root's gradients are reduced by the final callback at
+the end of each backward, after the embedding's (a hook on a chunk's carries or latent rows could
+fire before the embedding's gradient arrived). The indexer KL, which that step builds outside its
+block's checkpoint, runs through the block's `call`: its graph reaches only the indexer's
+parameters, and its backward nodes, created after the block's and ready from the loss on, run
+before the block's post-backward (the autograd engine runs the ready node created last first).
+Each chunk's backward is a micro-batch's: the chunks but the last run without gradient sync (`set_gradient_sync`), so the gradients are reduce-scattered once per
+step and held unsharded in between, as one process holds them. The chunked step runs over the
+data-parallel (and expert-parallel) ranks; a context-parallel rank's chunk would need the other
+ranks' carries and latent rows chunk by chunk, which it does not exchange.
 """
 
 from __future__ import annotations
@@ -91,7 +99,7 @@ def parallelize(model, mesh, *, param_dtype=None, reduce_dtype=torch.float32, re
     Apply after the model is on its device and after anything that replaces its modules, before the
     optimizer is built (it must see the sharded DTensor parameters). `model.block_fn` (recompute,
     offload) keeps working: it calls the blocks."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     from ..layers.moe import MoE, Router
 
@@ -111,9 +119,11 @@ def parallelize(model, mesh, *, param_dtype=None, reduce_dtype=torch.float32, re
             units.append(_shard_experts(m.experts, m.expert_parallel.mesh, policy, reshard_after_forward))
     for block in model.layers:
         units.append(fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward))
+        register_fsdp_forward_method(block, "call")
     # the root stays gathered from its forward to its backward, which opens with the LM head: FSDP's
     # own choice for a root, and one all-gather fewer for the price of holding embedding + head
     units.append(fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=False))
+    register_fsdp_forward_method(model, "call")  # the sequence-chunked step drives the trunk through it
     for u in units:
         _sum_gradients(u)
     return model

@@ -22,7 +22,6 @@ token for backward against ours' 24,624 at h200-ref's width. `last_impl` ends in
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -45,16 +44,21 @@ from ..ops.kda import (
 from .norms import GatedRMSNorm
 
 
-@dataclass
 class KDAState:
     """Decoding state of one KDA layer, updated in place (its fields are replaced) by each forward.
 
     conv: the last conv_size-1 pre-conv q|k|v projections, [B, 3*H*K, conv_size-1] (HF's layout);
     recurrent: S, [B, H, K, V] in fp32 (fp64 for an fp64 model).
+
+    A plain class, not a dataclass: FSDP rebuilds the dataclasses among a forward's inputs (to hook
+    their tensors that need a gradient), and the layer would then update the copy, not this state
+    (the sequence-chunked step passes carries that need a gradient).
     """
 
-    conv: torch.Tensor
-    recurrent: torch.Tensor
+    __slots__ = ("conv", "recurrent")
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
+        self.conv, self.recurrent = conv, recurrent
 
 
 class KimiDeltaAttention(nn.Module):

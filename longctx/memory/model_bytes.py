@@ -61,6 +61,12 @@ GPU_FIT = 0.93
 HOST_FIT = 0.8  # pinned host memory beside the process, the data loader and the OS
 
 
+FSDP_ROOT = "FSDP gathered root (embedding, head, norms)"
+CHUNKED_CP_ERROR = ("memory.seq_chunk = {chunk} runs over data-parallel ranks only, not with parallel.cp = {cp} (a cp "
+                    "rank's chunk would need the other ranks' carries chunk by chunk); set memory.seq_chunk = off or "
+                    "auto, or parallel.cp = 1.")
+
+
 def _params(cfg: ModelConfig) -> int:
     return _params_of(cfg.to_json())
 
@@ -331,7 +337,8 @@ def _kept_selections(cfg: ModelConfig, plan: MemoryPlan) -> list[bool]:
     return out
 
 
-def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: int, kernels) -> dict:
+def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: int, kernels,
+                      cluster: Cluster | None = None) -> dict:
     """Sequence-chunked step (memory/sequence_chunks.py): the block-level estimate of one chunk of C
     tokens, plus what stays O(S): per DSA layer the latent rows and their fp32 gradient buffer, the
     pooled indexer keys, the selections (pinned host), and the KDA carries at each chunk start; the
@@ -342,17 +349,19 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     The backward sweep takes the last chunk first: its parameter gradients are created as it goes
     (as in an unchunked step) while its prefix is the whole sequence; in every earlier chunk all
     gradients exist and the prefix is at most S - C rows. Both are estimated; the larger is the peak
-    (on the H200 at 1M the earlier chunks peak 6.4 GiB over the last one)."""
+    (on the H200 at 1M the earlier chunks peak 6.4 GiB over the last one). Over data-parallel ranks
+    (`cluster`, cp 1) the parameters and moments are 1/G each, and the gradients are held unsharded
+    across the chunks (reduced once per step), as in one process."""
     C = plan.seq_chunk_tokens()
     n_chunks = -(-S // C)
     inner = dataclasses.replace(plan, seq_chunk="off", offload="0", recompute="on" if plan.recompute == "on" else "off")
     kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
     L = cfg.kv_lora_rank
     per_row = L * a if "D" in kinds else 0  # the concatenated latent rows the kernel reads
-    cases = [("last chunk", estimate(cfg, min(C, S), inner, 1, gpu, a, kernels, _chunk="last", _dsa_prefix=S * per_row))]
+    cases = [("last chunk", _estimate(cfg, min(C, S), inner, 1, gpu, a, kernels, "last", S * per_row, cluster))]
     if n_chunks > 1:
-        cases.append(("earlier chunks", estimate(cfg, C, inner, 1, gpu, a, kernels, _chunk="earlier",
-                                                 _dsa_prefix=(S - C) * per_row)))
+        cases.append(("earlier chunks", _estimate(cfg, C, inner, 1, gpu, a, kernels, "earlier", (S - C) * per_row,
+                                                  cluster)))
     kept = {}
     for i, k in enumerate(kinds):
         if k == "D":
@@ -382,7 +391,7 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     moe_ws = _moe_workspace(cfg, C, plan) if n_moe else 0
     state = C * _stream_width(cfg) * cfg.hidden_size * a
     sweep = (e["static"]["parameters (fp32)"] + e["static"]["AdamW moments (fp32)"] + e["static"]["bf16 weight copies"]
-             + o_s - kinds.count("D") * S * L * 4 + 2 * state + max(idx_ws, moe_ws))
+             + e["static"].get(FSDP_ROOT, 0) + o_s - kinds.count("D") * S * L * 4 + 2 * state + max(idx_ws, moe_ws))
     phases["the forward sweep"] = int(sweep)
     if sweep > backward:
         e["peak_phase"] = "the forward sweep"
@@ -439,10 +448,10 @@ def _estimate(cfg, S, plan, cp, gpu, act_bytes, kernels, _chunk, _dsa_prefix, cl
     S_local = -(-S // cp)
     multi = cluster is not None and cluster.gpus > 1
     if plan.seq_chunk_tokens() and plan.seq_chunk_tokens() < S_local:
-        if multi:
-            raise ConfigError(f"memory.seq_chunk={plan.seq_chunk} does not run sharded over several processes yet "
-                              "(the trainer refuses it); set memory.seq_chunk = off, or estimate one GPU.")
-        e = dict(_estimate_chunked(cfg, S_local, plan, gpu, act_bytes, kernels), seq_len=S, cp=cp)
+        if multi and cluster.cp > 1:
+            raise ConfigError(CHUNKED_CP_ERROR.format(chunk=plan.seq_chunk, cp=cluster.cp))
+        e = dict(_estimate_chunked(cfg, S_local, plan, gpu, act_bytes, kernels, cluster if multi else None),
+                 seq_len=S, cp=cp)
         return e if cluster is None else dict(e, cluster=dataclasses.asdict(cluster))
     n_params = _params(cfg)
     kinds, mlps = cfg.layer_kinds(), cfg.mlp_kinds()
@@ -501,9 +510,10 @@ def _estimate(cfg, S, plan, cp, gpu, act_bytes, kernels, _chunk, _dsa_prefix, cl
     # ranks holding the same ones); one GPU runs no FSDP
     base = {"parameters (fp32)": -(-n_params * 4 // G), "AdamW moments (fp32)": -(-n_params * 8 // G)}
     root_g, block_g = _fsdp_bytes(cfg, cluster) if multi else (0, [0] * L)
+    c_root = root_g // cluster.param_bytes if multi else 0
     if multi:
         # the root is gathered for the whole step (parallelize: reshard_after_forward=False)
-        base["FSDP gathered root (embedding, head, norms)"] = root_g
+        base[FSDP_ROOT] = root_g
     # autocast's cached bf16 copies: the weights that go through its casts (linear layers); the
     # embedding is indexed in fp32 and the experts are cast per call by the MoE (layers/moe.py): their
     # copies are a block's saved activations (_block_activation_bytes), not cached
@@ -518,7 +528,11 @@ def _estimate(cfg, S, plan, cp, gpu, act_bytes, kernels, _chunk, _dsa_prefix, cl
 
     def grads_after(i: int) -> float:
         """Parameter gradients alive in the backward of block i (L: before the first block's): under FSDP
-        the root's unsharded until its reduce-scatter at the end of the backward, the blocks' 1/G shards."""
+        the root's unsharded until its reduce-scatter at the end of the backward, the blocks' 1/G shards;
+        in a chunk of the sequence-chunked step all unsharded (reduced once, after the last chunk), each
+        rank's routed experts its 1/ep."""
+        if multi and in_chunks:
+            return ((c_root if all_grads else head) + sum(block_g[0 if all_grads else i:])) * 4
         if all_grads:
             return n_params * 4
         if multi:

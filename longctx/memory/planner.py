@@ -3,9 +3,9 @@ asking the byte model (`longctx.memory.model_bytes.estimate`) of each candidate,
 the report `longctx estimate` prints.
 
 `plan_for_stage` is what the trainer calls for each curriculum stage. Over several GPUs
-(`model_bytes.Cluster`) the candidates are the whole-sequence ones (the sequence-chunked step does not
-run sharded), and `parallel.cp = "auto"` takes the smallest CP with a plan that fits (`pick_cp`):
-context parallelism halves the sequences trained at once and pays for its exchanges, so it is the
+(`model_bytes.Cluster`) with context parallelism the candidates are the whole-sequence ones (the
+sequence-chunked step runs over data-parallel ranks only), and `parallel.cp = "auto"` takes the
+smallest CP with a plan that fits (`pick_cp`): context parallelism halves the sequences trained at once and pays for its exchanges, so it is the
 last resort, after recompute and offload (seed 000). `fit_cluster` searches the smallest cluster for a
 model and length, as `longctx estimate --fit` prints it.
 """
@@ -13,6 +13,7 @@ model and length, as `longctx estimate --fit` prints it.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from ..ops import int32_rows
 from ..ops import INT32_ELEMENTS
 from .model_bytes import ALLOCATOR_SLACK, GIB, GPU_FIT, Cluster, _stream_width, device_gpu_key, estimate
 from .plan import MemoryPlan
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
 
 # The longest chunk the automatic plan takes. Past 128k tokens a chunk's time per token is flat: the 1M step
@@ -96,8 +100,9 @@ def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, cluste
     `reuse_attention` (when on) is a speed-for-memory trade (0.21 s for 4 GiB at 128k, H200): it is kept
     while offloading blocks can make room (offload measured free of step time at 256k), given up before
     the sequence is chunked, and within a chunk length given up before the chunk is halved.
-    Over several GPUs (`cluster`, whose cp replaces `cp`) no chunk lengths, and no whole-sequence choice
-    either where a rank's widest tensor passes 2^31 elements (`widest_elements`)."""
+    Over several GPUs with context parallelism (`cluster`, whose cp replaces `cp`) no chunk lengths, and no
+    whole-sequence choice either where a rank's widest tensor passes 2^31 elements (`widest_elements`);
+    over data-parallel ranks alone (cp 1) the same choices as on one GPU."""
     choices = []
     multi = cluster is not None and cluster.gpus > 1
     if cluster is not None:
@@ -106,7 +111,8 @@ def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, cluste
     limit = whole_sequence_max(cfg)
     rc = ["off", "on"] if plan.recompute == "auto" else [plan.recompute]
     whole = "off" if plan.seq_chunk == "auto" else plan.seq_chunk
-    if plan.seq_chunk == "auto" and (widest_elements(cfg, S, cluster) > INT32_ELEMENTS if multi else S_local > limit):
+    cp_multi = multi and cp > 1  # context parallel: the whole-sequence step only (no chunks over cp ranks)
+    if plan.seq_chunk == "auto" and (widest_elements(cfg, S, cluster) > INT32_ELEMENTS if cp_multi else S_local > limit):
         rc = []  # no whole-sequence choice
     for r in rc:
         offs = (["0"] + [str(i) for i in range(1, cfg.num_layers + 1)]) if plan.offload == "auto" else [plan.offload]
@@ -116,7 +122,7 @@ def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, cluste
             if whole != "off" and o not in ("0", "off"):
                 continue
             choices.append(dataclasses.replace(plan, recompute=r, offload=o, seq_chunk=whole))
-    if plan.seq_chunk == "auto" and not multi:
+    if plan.seq_chunk == "auto" and not cp_multi:
         c = min(AUTO_CHUNK_MAX, 1 << max(0, (S_local - 1).bit_length() - 1))  # largest power of two below S_local
         c = min(c, 1 << max(0, limit.bit_length() - 1))
         while c >= 1024:
@@ -140,10 +146,11 @@ def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str 
     every op auto), which `estimate` asks `longctx.kernels.planned` about. `cluster`: the per-GPU
     estimate of a step over several GPUs (its cp replaces `cp`)."""
     last = None
-    if cluster is not None and cluster.gpus > 1 and plan.seq_chunk == "auto" and widest_elements(cfg, S, cluster) > INT32_ELEMENTS:
+    if (cluster is not None and cluster.gpus > 1 and cluster.cp > 1 and plan.seq_chunk == "auto"
+            and widest_elements(cfg, S, cluster) > INT32_ELEMENTS):
         raise ConfigError(f"{S:,} tokens a sequence over {cluster.describe()} leave a tensor of "
                           f"{widest_elements(cfg, S, cluster) / 1e9:.2f} G elements on each rank, past 2^31 (and the "
-                          "sequence-chunked step does not run sharded); use a larger cp"
+                          "sequence-chunked step runs over data-parallel ranks only); use a larger cp"
                           + (" or parallel.kda_cp = chunk_state." if "K" in cfg.layer_kinds() and cluster.cp > 1
                              and cluster.kda_cp != "chunk_state" else "."))
     for c in plan_choices(cfg, S, plan, cp, cluster):
@@ -387,7 +394,7 @@ def plan_for_stage(cfg, stage, device, stage_index: int = 0, world: int = 1) -> 
         where = "this device" if world <= 1 else f"each of the {world} processes (parallel.cp = {cfg.parallel.cp})"
         raise ConfigError(
             f"stages.{stage_index}.seq_len ({stage.seq_len:,} x batch {stage.batch_size}) does not fit on {where} even with "
-            f"recompute, offload{' and sequence chunks' if world <= 1 else ''} (estimated {est['gpu_reserved_bytes'] / 2**30:.0f} GiB reserved of {est['gpu_capacity'] / 2**30:.0f}); "
+            f"recompute, offload{' and sequence chunks' if world <= 1 or cfg.parallel.cp == 1 else ''} (estimated {est['gpu_reserved_bytes'] / 2**30:.0f} GiB reserved of {est['gpu_capacity'] / 2**30:.0f}); "
             + ("lower the sequence length or batch size (see `longctx estimate`)." if world <= 1 else
                "raise parallel.cp (or set it to auto), use more GPUs, or lower the sequence length or batch size "
                "(see `longctx estimate --gpus`).")

@@ -34,6 +34,10 @@ with full recompute. What stays O(S): the latent rows and their fp32 gradient (6
 per token per DSA layer, 3 GiB at 1M), the selections (host), pooled keys, and the KDA carries
 (768 KiB per layer per chunk for h200-ref).
 
+Over several processes the step runs over data- and expert-parallel ranks, each on its own rows
+(`forward_backward`'s n_labels / n_rows / grad_sync; FSDP as `distributed/fsdp.py` says), not over
+context-parallel ones.
+
 Limits (raised as ConfigError by `check_supported`): MoE's aux-loss balancer couples all tokens
 of the sequence (a product of sequence means); packed documents (cu_seqlens) are not passed to
 chunked steps. The indexer KL is carried like the latent rows: the pooled keys of earlier chunks
@@ -45,6 +49,7 @@ bias is averaged over the chunks, as over micro-batches).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -91,9 +96,17 @@ class SequenceChunker:
         self.progress = None  # optional callable(str): one line per chunk of each sweep (benchmarks)
 
     # ------------------------------------------------------------------ step
-    def forward_backward(self, model, input_ids: torch.Tensor, labels: torch.Tensor, routing: RoutingTape | None = None):
+    def forward_backward(self, model, input_ids: torch.Tensor, labels: torch.Tensor, routing: RoutingTape | None = None,
+                         *, n_labels: torch.Tensor | None = None, n_rows: int | None = None, grad_sync=None):
         """Forward + backward of the LM loss over [B, S] tokens; gradients accumulate into .grad.
         Returns a ModelOutput with the (detached) loss and per-token losses.
+
+        Over data-parallel ranks each rank runs its own rows, and its loss is its share of the global
+        mean: `n_labels` (the label count of all ranks) replaces this rank's as the denominator and
+        `n_rows` (all ranks' sequences) its B in the indexer KL's mean, so the ranks' summed gradients
+        are the one-process gradient. `grad_sync(on)` is called before each chunk's backward, on for
+        the last one only (chunk 0): a sharded model reduces its gradients once per step, holding
+        them unsharded across the chunks, rather than once per chunk.
 
         MoE routing: the forward sweep records every expert choice (a RoutingTape) and the backward
         sweep replays it, so each rebuilt chunk routes exactly as the sweep whose carries it uses.
@@ -106,7 +119,7 @@ class SequenceChunker:
         if C < S:
             check_chunk(model, C)
         bounds = self._bounds(S)
-        n_tokens = (labels != -100).sum().clamp(min=1)
+        n_tokens = (labels != -100).sum().clamp(min=1) if n_labels is None else n_labels.clamp(min=1)
         tape = routing if routing is not None else RoutingTape()
         # the forward sweep stops before the last chunk: the backward sweep builds that one first, from
         # the carries at its start, selecting and routing by itself (nothing after it needs its carries)
@@ -121,7 +134,8 @@ class SequenceChunker:
         if cfg.indexer_loss and model.training and kl_layers:
             # KL(attention || indexer) averaged over the queries that have a complete pool before them
             # (t >= P - 1: the indexer always selects one then), and over the full DSA layers
-            self._kl = {"scale": cfg.indexer_loss_coef / len(kl_layers) / max(1, B * (S - (P - 1))),
+            rows = B if n_rows is None else n_rows
+            self._kl = {"scale": cfg.indexer_loss_coef / len(kl_layers) / max(1, rows * (S - (P - 1))),
                         "dense": S <= cfg.indexer_loss_dense_below, "caches": caches}
 
         kinds = [b.kind for b in model.layers]
@@ -149,8 +163,10 @@ class SequenceChunker:
             tape.replay = not first_pass or routing is not None
             tape.live = live_moe if routing is None and not first_pass else set()
             with (contextlib.nullcontext() if first_pass else replaying()), routing_tape(tape):
-                tl, ends = self._chunk_graph(model, input_ids[:, s0:s1], labels[:, s0:s1], s0, ci, carries,
-                                             selections, latent, leaves, pools, caches if first_pass else None)
+                with _views_handed_on():
+                    tl, ends = model.call(lambda m: self._chunk_graph(
+                        m, input_ids[:, s0:s1], labels[:, s0:s1], s0, ci, carries, selections, latent, leaves, pools,
+                        caches if first_pass else None))
             tape.replay, tape.live = True, set()
             loss = tl.sum() / n_tokens
             kl = sum(k for k, _, _ in pools.values()) if pools else None
@@ -170,6 +186,8 @@ class SequenceChunker:
                 elif kinds[i] == "D" and end.requires_grad and not first_pass:  # no later chunk read them
                     outs.append(end)
                     grads.append(d_latent[i][:, s0:s1].to(end.dtype))
+            if grad_sync is not None:
+                grad_sync(ci == 0)
             with torch.autocast(input_ids.device.type, enabled=False), routing_tape(tape):  # recomputes replay
                 torch.autograd.backward(outs, grads)
             for i, lv in leaves.items():
@@ -207,6 +225,9 @@ class SequenceChunker:
     # ------------------------------------------------------------------ the two sweeps
     @torch.no_grad()
     def _forward_sweep(self, model, input_ids, bounds, labels=None, losses=None, tape=None, skip_last=False):
+        return model.call(lambda m: self._sweep(m, input_ids, bounds, labels, losses, tape, skip_last))
+
+    def _sweep(self, model, input_ids, bounds, labels, losses, tape, skip_last):
         """Run every chunk through every layer once; record the carries each chunk starts from.
         With `losses` (a list): append each chunk's token losses and record nothing else. With `tape`:
         MoE routing records into (or replays from) it, positioned at each chunk's start. `skip_last`:
@@ -318,8 +339,8 @@ class SequenceChunker:
                 want_kl = self._kl is not None and block.mixer.indexer is not None
                 state, sel, new_rows, kl_inputs = self._run(_dsa_block, block, state, sel, rows, forced, want_kl, select)
                 ends[i] = new_rows
-                if want_kl:
-                    pools[i] = self._indexer_kl(block.mixer, i, s0, kl_inputs, sel)
+                if want_kl:  # through the block's call: the indexer's parameters are the block's (FSDP)
+                    pools[i] = block.call(lambda b, i=i, s=sel, k=kl_inputs: self._indexer_kl(b.mixer, i, s0, k, s))
         h = model.norm(model.stream.final(state))
         return model.chunked_token_losses(h, labels), ends
 
@@ -353,6 +374,15 @@ class SequenceChunker:
                 kw["context_fn"] = lambda: (keeping_attention(block.mixer, kept), keeping_attention(block.mixer, kept, replay=True))
             return checkpoint(fn, block, state, sel, a, b, *more, use_reentrant=False, **kw)
         return fn(block, state, sel, a, b, *more)
+
+
+@contextlib.contextmanager
+def _views_handed_on():
+    """FSDP warns when a forward returns a view (an in-place op on it would skip FSDP's backward
+    hook); a chunk's token losses and conv window are views that nothing modifies in place."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        yield
 
 
 def _kda_block(block, state, sel, rec, conv):

@@ -505,7 +505,13 @@ class Trainer:
         from ..layers.kda import KimiDeltaAttention
 
         ctx = cp_context(self.mesh, self.cfg.parallel) if on else None
+        from ..memory.model_bytes import CHUNKED_CP_ERROR
+        from ..memory.plan import MemoryPlan
+
         for m in self.model.modules():
+            chunk = MemoryPlan.from_dict(s.memory or {}, base=MemoryPlan.from_dict(cfg.memory)).seq_chunk_tokens()
+            if self.cp > 1 and 0 < chunk < s.seq_len:  # said now, not when the stage comes
+                raise ConfigError(f"stages.{i}: " + CHUNKED_CP_ERROR.format(chunk=chunk, cp=self.cp))
             if isinstance(m, (KimiDeltaAttention, SparseMLA)):
                 m.cp = ctx
 
@@ -662,11 +668,13 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
         chunked = getattr(self.memory_policy, "forward_backward", None)
-        if chunked is not None and self.mesh is not None:
-            raise ConfigError("the sequence-chunked step (memory.seq_chunk) does not run sharded over several processes "
-                              "yet; set memory.seq_chunk = 0 or train in one process.")
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            if chunked is not None:  # sequence-chunked step: forward and backward in one sweep pair
+            if chunked is not None and self.mesh is not None:  # over the dp ranks: each its rows, a share of the mean
+                from ..distributed.fsdp import set_gradient_sync
+
+                out = chunked(model, x, y, n_labels=self._sum_over_ranks((y != -100).sum()).to(torch.int64),
+                              n_rows=x.shape[0] * self.dp, grad_sync=lambda on: set_gradient_sync(model, on))
+            elif chunked is not None:  # sequence-chunked step: forward and backward in one sweep pair
                 out = chunked(model, x, y)
             else:
                 out = model(x, labels=y, return_logits=False)
@@ -698,8 +706,9 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         lm_loss, tokens = out.lm_loss, x.numel()
-        if self.mesh is not None:  # the global mean and the whole step's tokens
-            lm_loss, tokens = self._sum_over_ranks(loss_share(out.lm_loss, y, self.mesh)), tokens * self.world
+        if self.mesh is not None:  # the global mean and the whole step's tokens (a chunked step's loss is a share)
+            share = out.lm_loss if chunked is not None else loss_share(out.lm_loss, y, self.mesh)
+            lm_loss, tokens = self._sum_over_ranks(share), tokens * self.world
         rec = {"step": self.step + 1, "stage": self.stage_at(self.step)[0], "seq_len": stage.seq_len,
                "loss": lm_loss.item(), "grad_norm": gn.item(), "lr": lr,
                "tokens_per_s": tokens / dt, "step_s": dt, "peak_gib": peak_memory_gib(self.device),
@@ -708,8 +717,9 @@ class Trainer:
             rec["peak_gib_ranks"] = self._peaks()
         if self.stage_estimate_gib is not None:
             rec["estimate_gib"] = self.stage_estimate_gib
-        for k, v in out.aux.items():
-            rec[k] = (self._sum_over_ranks(v) / (1 if k == "moe_aux" else self.dp)).item() if self.mesh else v.item()
+        for k, v in out.aux.items():  # shares of the global value, but the unchunked indexer KL: its sequence's
+            whole = k == "moe_aux" or chunked is not None
+            rec[k] = (self._sum_over_ranks(v) / (1 if whole else self.dp)).item() if self.mesh else v.item()
         model.clear_aux()
         return rec
 

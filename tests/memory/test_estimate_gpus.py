@@ -114,12 +114,20 @@ def test_expert_parallel_casts_and_sends_its_share():
     assert e1["peak_phase"] == e4["peak_phase"] and r1 - r4 == chunks * (E - E // 4) * 3 * D * I * a
 
 
-def test_no_chunked_step_and_the_int32_bound_over_several_gpus():
+def test_the_chunked_step_over_dp_ranks_only_and_the_int32_bound_under_cp():
     cfg = preset("h200-ref")
     cl = Cluster(gpus=4, cp=2)
     assert all(not c.seq_chunk_tokens() for c in plan_choices(cfg, 262144, MemoryPlan(), cluster=cl))
-    with pytest.raises(ConfigError, match="seq_chunk"):
-        estimate(cfg, 262144, dataclasses.replace(RECOMPUTE, seq_chunk="65536"), cluster=cl)
+    chunked = dataclasses.replace(RECOMPUTE, seq_chunk="65536")
+    with pytest.raises(ConfigError, match="runs over data-parallel ranks only, not with parallel.cp = 2"):
+        estimate(cfg, 262144, chunked, cluster=cl)
+    # over dp ranks: parameters and moments 1/G, the gradients whole (reduced once, after the last chunk)
+    one, two = estimate(cfg, 262144, chunked), estimate(cfg, 262144, chunked, cluster=Cluster(gpus=2))
+    s1, s2 = one["static"], two["static"]
+    assert s2["parameters (fp32)"] * 2 == pytest.approx(s1["parameters (fp32)"], rel=1e-6)
+    assert s2["AdamW moments (fp32)"] * 2 == pytest.approx(s1["AdamW moments (fp32)"], rel=1e-6)
+    assert s2["gradients alive at the peak (fp32)"] == pytest.approx(s1["gradients alive at the peak (fp32)"], rel=1e-3)
+    assert two["gpu_bytes"] < one["gpu_bytes"]
     # hidden_gather holds the whole sequence's hidden state: [S, hidden] elements on each rank
     assert widest_elements(cfg, 2**21, Cluster(gpus=8, cp=8)) == 2**21 * cfg.hidden_size
     assert widest_elements(cfg, 2**21, Cluster(gpus=8, cp=8, kda_cp="chunk_state")) == 2**18 * 8192
@@ -134,10 +142,14 @@ def test_cp_auto_takes_the_smallest_that_fits():
     cfg = preset("h200-ref")
     assert cp_candidates(cfg, 65536, 8) == [1, 2, 4]  # 12 KDA heads: cp 8 gives no equal share
     assert cp_candidates(cfg, 65536, 8, "chunk_state") == [1, 2, 4, 8]
-    assert not auto_plan(cfg, 65536, MemoryPlan(), cluster=Cluster(gpus=4, cp=1), gpu="cpu")[1]["fits"]
-    cl, p, e = pick_cp(cfg, 65536, MemoryPlan(), 4, gpu="cpu")
+    # over data-parallel ranks alone the sequence-chunked step is a choice, as on one GPU: it fits at cp 1
+    p, e = auto_plan(cfg, 65536, MemoryPlan(), cluster=Cluster(gpus=4, cp=1), gpu="cpu")
+    assert p.seq_chunk_tokens() and e["fits"] and e["static"]["gradients alive at the peak (fp32)"] > 0
+    whole = MemoryPlan(seq_chunk="off")  # without it cp 1 does not fit, and auto takes cp 2
+    assert not auto_plan(cfg, 65536, whole, cluster=Cluster(gpus=4, cp=1), gpu="cpu")[1]["fits"]
+    cl, p, e = pick_cp(cfg, 65536, whole, 4, gpu="cpu")
     assert cl.cp == 2 and cl.dp == 2 and e["fits"] and e["cp"] == 2
-    assert (p, e) == auto_plan(cfg, 65536, MemoryPlan(), cluster=cl, gpu="cpu")
+    assert (p, e) == auto_plan(cfg, 65536, whole, cluster=cl, gpu="cpu")
 
 
 def test_parallel_cp_auto_is_a_setting():

@@ -104,6 +104,32 @@ def test_two_processes_under_torchrun_equal_one(tmp_path, one_process, parallel,
     assert_resumes_to_the_last_step(tmp_path / "resumed", sets, b[-1]["loss"])
 
 
+def test_the_sequence_chunked_step_over_two_data_parallel_ranks_equals_one_process(tmp_path):
+    """memory.seq_chunk = 32: 2 and 3 chunks a sequence, each rank chunking its own rows, FSDP
+    gathering the root around the chunks' graphs and reducing the gradients once per step."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
+    sets = [*SETS, "memory.seq_chunk=32"]
+    one = _train(tmp_path / "one", sets=sets)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    two = _train(tmp_path / "two", *TORCHRUN, sets=sets)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    a, b = _steps(tmp_path / "one"), _steps(tmp_path / "two")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    for x, y in zip(a, b):
+        for k in ("loss", "grad_norm"):
+            assert abs(x[k] - y[k]) <= 1e-5 * abs(x[k]), (x["step"], k, x[k], y[k])
+    ea, eb = _evals(tmp_path / "one"), _evals(tmp_path / "two")  # chunked evaluation of the sharded model
+    assert len(ea) == len(eb) == 2 and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(ea, eb)), (ea, eb)
+    # refused with context parallelism, in one sentence, before any step
+    r = _train(tmp_path / "cp", *TORCHRUN, sets=[*sets, "parallel.cp=2"])
+    assert r.returncode != 0
+    said = "memory.seq_chunk = 32 runs over data-parallel ranks only, not with parallel.cp = 2"
+    assert (r.stdout + r.stderr).count(said) == 1 and os.path.join(REPO, "longctx") not in r.stderr, r.stderr[-3000:]
+
+
 def test_a_batch_that_does_not_split_is_one_sentence(tmp_path):
     import torch.distributed as dist
 
