@@ -156,6 +156,20 @@ def memory_rows() -> list[dict]:
     return out
 
 
+def glm_rows() -> list[dict]:
+    d = load("glm_layers")
+    out = []
+    for r in d["runs"]:
+        if not r.get("peak_gib") or not r.get("estimate_gib"):
+            continue
+        off = r["estimate_gib"] / r["peak_gib"] - 1
+        out.append(row(f"GLM-5.3-Flash-shaped step ({len(r['layers'])} layers {r['layers']}, mlp {r['mlp']}, "
+                       f"{r['routed_experts']} experts) at {tokens(r['seq_len'])}: estimate within +-10% of the peak",
+                       f"{r['peak_gib']:.1f} GiB peak, estimate {r['estimate_gib']:.1f} ({off:+.1%}); "
+                       f"{r['step_s']:.2f} s a step", verdict(abs(off) <= 0.10), prov(d), rerun(d["command"])))
+    return out
+
+
 def kernel_rows() -> list[dict]:
     """Measurements without a target: the comparisons behind the defaults."""
     out = []
@@ -192,9 +206,9 @@ def kernel_rows() -> list[dict]:
 
 
 def table() -> str:
-    rows = sparse_rows() + indexer_rows() + memory_rows() + kernel_rows()
-    gpus = sorted({load(n)["gpu"] for n in ("sparse_attention", "indexer", "memory", "kda", "fused_loss", "mhc",
-                                            "host_buffers")})
+    rows = sparse_rows() + indexer_rows() + memory_rows() + glm_rows() + kernel_rows()
+    gpus = sorted({load(n)["gpu"] for n in ("sparse_attention", "indexer", "memory", "glm_layers", "kda", "fused_loss",
+                                            "mhc", "host_buffers")})
     lines = ["| target | measured | | date | commit | command |", "|---|---|---|---|---|---|"]
     for r in rows:
         cells = [r["target"], r["measured"], r["verdict"], r["date"], f"`{r['commit']}`", f"`{r['command']}`"]
@@ -204,7 +218,8 @@ def table() -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
-BENCHMARKS = ("sparse_attention", "indexer", "kda", "fused_loss", "mhc", "host_buffers", "memory", "fp32_parity")
+BENCHMARKS = ("sparse_attention", "indexer", "kda", "fused_loss", "mhc", "host_buffers", "memory", "fp32_parity",
+              "glm_layers")
 MEMORY_SECTIONS = ("baseline_max_context", "offload_pinned_vs_pageable", "host_memory_with_offload")
 
 

@@ -47,6 +47,12 @@ def _train(a) -> int:
     return 0
 
 
+def _sft(a) -> int:
+    """`longctx sft ...` is `longctx train --set task=sft ...` (the SFT settings: docs/design/post_training.md)."""
+    a.set = [*(a.set or []), "task=sft"]
+    return _train(a)
+
+
 def _leave_process_group() -> bool:
     """Under torchrun, take the process group down before the interpreter does: its teardown at exit,
     in whatever order finalization frees the store and the backend's threads, can abort the process
@@ -388,13 +394,10 @@ def _path_arg(flag: str, example: str, home: bool = False, keep: tuple = ()):
 _tokenizer_arg = _path_arg("--tokenizer", "tokenizer.json", home=True, keep=("byte",))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _train_arguments(t) -> None:
+    """The arguments of `train`, which `sft` takes as they are."""
     from .config.train import preset_names
 
-    p = _Parser(prog="longctx", description="Train hybrid long-context sparse models (KDA + DSA + MoE + mHC).")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    t = sub.add_parser("train", help="train (no arguments: the CPU demo on the embedded stdlib corpus)")
     t.add_argument("--config", type=_path_arg("--config", "run.toml", home=True), help="TOML or YAML config file")
     t.add_argument("--preset", help=f"model or training preset ({', '.join(preset_names())})")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting, e.g. model.hidden_size=256 or stages.0.steps=10")
@@ -406,7 +409,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "metrics, config.json, summary, plots and TensorBoard events (nothing else)")
     t.add_argument("--max-steps", type=_int_arg("--max-steps", 1, 100), help="stop (with a checkpoint) after this many steps in total")
     t.add_argument("--quiet", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="longctx", description="Train hybrid long-context sparse models (KDA + DSA + MoE + mHC).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("train", help="train (no arguments: the CPU demo on the embedded stdlib corpus)")
+    _train_arguments(t)
     t.set_defaults(fn=_train)
+
+    f = sub.add_parser("sft", help="supervised fine-tuning on conversations: `train` with task = sft (no arguments: "
+                       "the embedded long-context retrieval task)")
+    _train_arguments(f)
+    f.set_defaults(fn=_sft)
 
     g = sub.add_parser("generate", help="sample from a checkpoint through the decode path")
     g.add_argument("--checkpoint", required=True)

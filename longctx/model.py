@@ -79,7 +79,8 @@ class Block(CallsAsForward, nn.Module):
         if self.kind == "K":
             y = self.mixer(x, state=cache, cu_seqlens=cu_seqlens)
         else:
-            y, selection = self.mixer(x, prev_selection=selection, cache=cache, forced_selection=forced_selection)
+            y, selection = self.mixer(x, prev_selection=selection, cache=cache, forced_selection=forced_selection,
+                                      cu_seqlens=cu_seqlens)
         state = self.mixer_res.exit(state, ctx, y)
         x, ctx = self.mlp_res.enter(state)
         state = self.mlp_res.exit(state, ctx, self.mlp(self.mlp_norm(x)))

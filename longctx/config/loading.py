@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from .model import PRESETS as MODEL_PRESETS, ModelConfig
 from .parallel import ParallelConfig
-from .train import DataConfig, Stage, TrainConfig, _check_keys, _short, base_config
+from .train import DataConfig, SFTConfig, Stage, TrainConfig, _check_keys, _short, base_config
 
 
 def load_train_config(config_file: str | None = None, preset: str | None = None, sets: list[str] | tuple = ()) -> TrainConfig:
@@ -44,7 +44,20 @@ def load_train_config(config_file: str | None = None, preset: str | None = None,
     for k, v in pairs:
         if k != "preset":
             _assign(d, k, v)
-    return TrainConfig.from_dict(d)
+    cfg = TrainConfig.from_dict(d)
+    cfg.model_given = _model_given(raw, pairs)  # what init_from lays over the checkpoint's model
+    return cfg
+
+
+def _model_given(raw: dict, pairs: list) -> frozenset:
+    """The model settings the file and `--set` name (not those the preset filled in)."""
+    given = set(raw["model"]) if isinstance(raw.get("model"), dict) else set()
+    for k, v in pairs:
+        if k == "model" and isinstance(v, dict):
+            given |= set(v)
+        elif k.startswith("model."):
+            given.add(k.split(".")[1])
+    return frozenset(given)
 
 
 def _read_config_file(path: str) -> dict:
@@ -143,7 +156,7 @@ def _coerce_str(key: str, text: str, value):
     tp = _field_type(key.split("."))
     if tp is not None and value is not None and not isinstance(value, str):
         args = typing.get_args(tp) or (tp,)
-        if str in args and all(a in (str, type(None)) for a in args):
+        if typing.get_origin(tp) not in (list, dict) and str in args and all(a in (str, type(None)) for a in args):
             return text.strip()
     return value
 
@@ -157,8 +170,8 @@ def _field_type(parts: list[str]):
             return None
         if i == len(parts) - 1:
             return hints[parts[i]]
-        if cls is TrainConfig and parts[i] in ("model", "data", "parallel"):
-            cls, i = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig}[parts[i]], i + 1
+        if cls is TrainConfig and parts[i] in ("model", "data", "parallel", "sft"):
+            cls, i = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig, "sft": SFTConfig}[parts[i]], i + 1
         elif cls is TrainConfig and parts[i] == "stages" and parts[i + 1].isdigit() and i + 2 < len(parts):
             cls, i = Stage, i + 2
         elif cls is DataConfig and parts[i] == "sources" and i + 2 == len(parts):
@@ -228,9 +241,9 @@ def to_toml(cfg: TrainConfig) -> str:
     lines = [f"# longctx training config: {cfg.summary()}"]
     if cfg.vocab_note:
         lines.append(f"# {cfg.vocab_note}")
-    tables = ("model", "data", "kernels", "parallel", "stages")
+    tables = ("model", "data", "sft", "kernels", "parallel", "stages")
     lines += _toml_items({k: v for k, v in d.items() if k not in tables})
-    for t in ("model", "data", "kernels", "parallel"):
+    for t in ("model", "data", "sft", "kernels", "parallel"):
         lines += ["", f"[{t}]", *_toml_items(d[t])]
     for s in d["stages"]:
         lines += ["", "[[stages]]", *_toml_items(s)]

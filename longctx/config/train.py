@@ -23,6 +23,7 @@ from ..errors import ConfigError, did_you_mean
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("cosine", "linear", "constant")
+TASKS = ("pretrain", "sft")
 MAIN_SOURCE = "main"  # the name of data.path inside a stage's data_mix
 
 
@@ -70,6 +71,28 @@ class DataConfig:
     sources: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning on conversations (task = "sft"; longctx.train.sft, docs/design/post_training.md).
+
+    data.path: conversations (.jsonl or .parquet, or a folder of them; the messages under
+    `messages_field`), data.eval_docs of them held out; None = the embedded retrieval task.
+    template: "auto" (the byte tokenizer's longctx template, or a HF tokenizer's own), "longctx", or a
+    .jinja file. The task's settings: `questions` per haystack, the question `kinds`, `min_len` (the
+    shortest training conversation; a stage shorter than it trains at its own length), and its held-out
+    evaluation: `eval_examples` per length in `eval_lengths` ([] = 4096 and its doublings up to the
+    longest stage, or the longest stage when that is shorter than 4096).
+    """
+
+    template: str = "auto"
+    messages_field: str = "messages"
+    questions: int = 4
+    kinds: list[str] = field(default_factory=lambda: ["signature", "returns", "file"])
+    min_len: int = 4096
+    eval_lengths: list[int] = field(default_factory=list)
+    eval_examples: int = 16
+
+
 def _demo_stages() -> list[Stage]:
     # The CPU demo: ~250k tokens, a few minutes on 2 cores with the "small" model (1024 -> 4096).
     return [
@@ -86,11 +109,21 @@ class TrainConfig:
     `kernels` (the [kernels] table, longctx.config.kernels) says which backend runs each op: it changes
     how, not what, the model computes. `parallel` (longctx.config.parallel) says how the processes of a
     torchrun launch split the work; a stage's batch_size is the global batch at any world size.
+
+    `init_from` starts the run from a checkpoint's weights instead of random ones: a transformers
+    GLM-5.3-Flash folder, a longctx checkpoint folder or a run folder. The model is then the
+    checkpoint's (its config.json as transformers reads it, or its longctx_config.json), whatever the
+    preset; model settings the run gives are laid over it and must agree with it, except the few that
+    say how to train it (longctx.distributed.loading.TRAINING_FIELDS); the trainer checks that, as it
+    reads the checkpoint's config. The preset still gives the training settings.
     """
 
     model: ModelConfig | None = None  # None = the preset's model
     preset: str = "small"
+    init_from: str | None = None  # a checkpoint to start from; None = random weights
     data: DataConfig = field(default_factory=DataConfig)
+    task: str = "pretrain"  # "sft": supervised fine-tuning on conversations (the `sft` settings)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     stages: list[Stage] = field(default_factory=_demo_stages)
     seed: int = 0
     out_dir: str = "runs/demo"
@@ -110,9 +143,14 @@ class TrainConfig:
     # One line for --print-config and the run's model line when a model preset's vocabulary is raised to
     # the tokenizer's (not a field: it describes how the config was resolved, not a setting).
     vocab_note = None
+    # The model settings the user gave (names), which `init_from` lays over the checkpoint's model; None:
+    # every field of `model` counts as given (a model passed whole, or a run's saved config). Not a field,
+    # like vocab_note: it says where the values came from.
+    model_given = None
 
     def __post_init__(self):
         if self.model is None:
+            self.model_given = frozenset()
             self.model = preset_model(self.preset)
             if self.preset in MODEL_PRESETS and isinstance(self.data, DataConfig):
                 self.model, self.vocab_note = _fit_vocab(self.model, self.preset, self.data.tokenizer)
@@ -129,6 +167,8 @@ class TrainConfig:
                 raise ConfigError(f"{f.name} must be {tn} (got {type(v).__name__} {_short(v)}); set it to a value of that type.")
         self.model.validate()
         self._validate_data()
+        _choice("task", self.task, TASKS)
+        self._validate_sft()
         if not self.stages:
             raise ConfigError("stages is empty; give at least one stage with seq_len, steps and lr.")
         for i, s in enumerate(self.stages):
@@ -139,6 +179,8 @@ class TrainConfig:
         if not self.out_dir.strip():
             raise ConfigError("out_dir is empty; set it to the folder for checkpoints and logs, e.g. runs/demo.")
         _check_path("out_dir", self.out_dir, home=False)
+        if self.init_from is not None:
+            _check_init_from(self.init_from)
         _at_least("log_every", self.log_every, 1)
         _at_least("eval_every", self.eval_every, 0)
         _at_least("ckpt_every", self.ckpt_every, 0)
@@ -178,6 +220,29 @@ class TrainConfig:
             if not isinstance(v, str) or not v.strip():
                 raise ConfigError(f"data.sources.{k} must be a path (got {_short(v)}); set it to a text file or folder.")
             _check_path(f"data.sources.{k}", v)
+
+    def _validate_sft(self) -> None:
+        s = self.sft
+        _check_types(s, "sft")
+        for name in ("template", "messages_field"):
+            if not getattr(s, name).strip():
+                raise ConfigError(f"sft.{name} is empty; set it (see --print-config for the default).")
+        if s.template not in ("auto", "longctx"):
+            _check_path("sft.template", s.template)
+        _at_least("sft.questions", s.questions, 1)
+        _at_least("sft.min_len", s.min_len, 64)
+        _at_least("sft.eval_examples", s.eval_examples, 0)
+        from ..data.retrieval_task import KINDS
+
+        if not s.kinds:
+            raise ConfigError(f"sft.kinds is empty; give some of {', '.join(KINDS)}.")
+        for k in s.kinds:
+            if k not in KINDS:
+                raise ConfigError(f"sft.kinds has the unknown kind {k!r}"
+                                  + (did_you_mean(str(k), KINDS) or f"; choose from {', '.join(KINDS)}."))
+        for L in s.eval_lengths:
+            if isinstance(L, bool) or not isinstance(L, int) or L < 256:
+                raise ConfigError(f"sft.eval_lengths has {_short(L)}; give lengths in tokens, each >= 256.")
 
     def _validate_stage(self, s: Stage, where: str) -> None:
         if not isinstance(s, Stage):
@@ -234,17 +299,22 @@ class TrainConfig:
             raise ConfigError(f"data must be a table of data settings (got {type(data_d).__name__}); e.g. [data] path = \"corpus/\".")
         _no_unknown(data_d, [f.name for f in dataclasses.fields(DataConfig)], "data.")
         data = DataConfig(**{**dataclasses.asdict(base.data), **data_d})
+        sft_d = d.get("sft", {})
+        if not isinstance(sft_d, dict):
+            raise ConfigError(f"sft must be a table of SFT settings (got {type(sft_d).__name__}); e.g. [sft] questions = 4.")
+        _no_unknown(sft_d, [f.name for f in dataclasses.fields(SFTConfig)], "sft.")
+        sft = SFTConfig(**{**dataclasses.asdict(base.sft), **sft_d})
         stages = base.stages if d.get("stages") is None else _stages_from(d["stages"])
         kernels_d = d.get("kernels", {})
         kernels = KernelConfig.from_dict({**base.kernels.to_dict(), **kernels_d} if isinstance(kernels_d, dict) else kernels_d)
         parallel_d = d.get("parallel", {})
         parallel = ParallelConfig.from_dict({**base.parallel.to_dict(), **parallel_d} if isinstance(parallel_d, dict)
                                             else parallel_d)
-        rest = {k: v for k, v in d.items() if k not in ("model", "data", "stages", "preset", "kernels", "parallel")}
+        rest = {k: v for k, v in d.items() if k not in ("model", "data", "sft", "stages", "preset", "kernels", "parallel")}
         note = None
         if name in MODEL_PRESETS and "vocab_size" not in model_d:
             model, note = _fit_vocab(model, name, data.tokenizer)
-        cfg = dataclasses.replace(base, preset=name, model=model, data=data, stages=stages, kernels=kernels,
+        cfg = dataclasses.replace(base, preset=name, model=model, data=data, sft=sft, stages=stages, kernels=kernels,
                                   parallel=parallel, **rest)
         cfg.vocab_note = note
         return cfg.validate()
@@ -252,7 +322,11 @@ class TrainConfig:
     # ---------------------------------------------------------------- display
     def summary(self) -> str:
         st = " -> ".join(f"{s.seq_len} x {s.batch_size} for {s.steps} steps" for s in self.stages)
-        return f"preset {self.preset}; data {self.data.path or 'embedded stdlib corpus'} ({self.data.tokenizer}); stages {st}"
+        if self.task == "sft":
+            data = f"sft on {self.data.path or 'the embedded retrieval task'}"
+        else:
+            data = f"data {self.data.path or 'embedded stdlib corpus'}"
+        return f"preset {self.preset}; {data} ({self.data.tokenizer}); stages {st}"
 
     def total_steps(self) -> int:
         return sum(s.steps for s in self.stages)
@@ -386,6 +460,22 @@ def _check_path(name: str, v: str, home: bool = True) -> None:
         except RuntimeError:
             raise ConfigError(f"{name} {_short(v)} starts with the home folder of a user this machine does not have; "
                               "write the path out in full.") from None
+
+
+def _check_init_from(v: str) -> None:
+    """A folder that holds a checkpoint of some kind; which kind, and whether it fits, the trainer reads."""
+    fix = ("point it at a transformers GLM-5.3-Flash folder, a longctx checkpoint or a run folder, or leave it "
+           "unset to start from random weights")
+    if not v.strip():
+        raise ConfigError(f"init_from is empty; {fix}.")
+    _check_path("init_from", v)
+    p = Path(v).expanduser()
+    if not p.exists():
+        raise ConfigError(f"init_from {v!r} does not exist; {fix}.")
+    if not p.is_dir() or not any((p / n).exists() or (p / n).is_symlink()
+                                 for n in ("config.json", "longctx_config.json", "checkpoint")):
+        raise ConfigError(f"init_from {v!r} is not a checkpoint folder (no config.json, longctx_config.json "
+                          f"or checkpoint link in it); {fix}.")
 
 
 def _at_least(name: str, v: int, lo: int) -> None:

@@ -90,7 +90,8 @@ class SparseMLA(nn.Module):
         return DSACache()
 
     def forward(self, x: torch.Tensor, prev_selection: torch.Tensor | None = None, cache: DSACache | None = None,
-                forced_selection: torch.Tensor | None = None, caches_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                forced_selection: torch.Tensor | None = None, caches_only: bool = False,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> (y [B, T, hidden], selection int32 [B, T, width]).
 
         prev_selection: the previous full layer's selection (required on shared layers).
@@ -99,9 +100,19 @@ class SparseMLA(nn.Module):
         cache: decoding state; x is then the T newest tokens and the selection holds absolute positions.
         caches_only (with a DSACache): append the latent rows and pooled keys and select, skip the
         attention; returns (None, selection) (the sequence-chunked sweep's last block).
+        cu_seqlens (packed documents, the varlen offsets of KDA): the indexer (and its KL) runs on each
+        document by itself, so every query selects only tokens of its own document, through the pools
+        and the top-k the document would have alone; the attention then gathers those tokens from the
+        row. A packed document is attended to exactly as a separate one.
         """
         if caches_only and not isinstance(cache, DSACache):
             raise ValueError(f"DSA layer {self.layer_idx}: caches_only needs a DSACache.")
+        docs = None
+        if cu_seqlens is not None:
+            if cache is not None or self.cp is not None:
+                raise ValueError(f"DSA layer {self.layer_idx}: packed documents (cu_seqlens) run whole rows in one "
+                                 "process; decoding caches, sequence chunks and context parallelism take unpacked rows.")
+            docs = document_spans(cu_seqlens, x.shape[0], x.shape[1])
         if self.cp is not None and cache is None:
             return self.cp.dsa(self, x, prev_selection, forced_selection)
         B, T, _ = x.shape
@@ -132,6 +143,8 @@ class SparseMLA(nn.Module):
             if self.indexer is not None and select is not None:
                 with torch.no_grad():  # extends the sweep's pooled keys by this chunk's, once
                     selection = select["selection"] = self.indexer.select(x, q_latent, cache=select["cache"])
+            elif self.indexer is not None and docs is not None:
+                selection = self._select_per_document(x, q_latent, docs)
             elif self.indexer is not None:
                 selection = self.indexer.select(x, q_latent, cache=None if cache is None else cache.indexer)
             elif prev_selection is None:
@@ -159,9 +172,27 @@ class SparseMLA(nn.Module):
             # Unscaled KL (the model applies indexer_loss_coef). Built with its own graph even under
             # no_grad (a recompute's first pass), from detached inputs: only the indexer learns from it.
             dense = T <= self.cfg.indexer_loss_dense_below
-            self.indexer_loss_value = self.indexer.kl_loss(x, q_latent, q_abs, c, self.scale, selection=selection,
-                                                           dense=dense)
+            if docs is None:
+                self.indexer_loss_value = self.indexer.kl_loss(x, q_latent, q_abs, c, self.scale, selection=selection,
+                                                               dense=dense)
+            else:  # each document's KL as if alone, the mean over all their queries
+                total, count = 0.0, 0.0
+                for r, a, b in docs:
+                    kl, n = self.indexer.kl_loss(x[r:r + 1, a:b], q_latent[r:r + 1, a:b], q_abs[r:r + 1, a:b],
+                                                 c[r:r + 1, a:b], self.scale, dense=dense, reduce=False,
+                                                 selection=None if dense else _shift(selection[r:r + 1, a:b], -a))
+                    total, count = total + kl, count + n
+                self.indexer_loss_value = total / torch.as_tensor(count).clamp(min=1)
         return y, selection
+
+    def _select_per_document(self, x, q_latent, docs) -> torch.Tensor:
+        """The indexer's selection of each document run alone, its indices moved to the document's place
+        in the row."""
+        B, T = x.shape[:2]
+        out = torch.full((B, T, self.indexer.width), -1, dtype=torch.int32, device=x.device)
+        for r, a, b in docs:
+            out[r:r + 1, a:b] = _shift(self.indexer.select(x[r:r + 1, a:b], q_latent[r:r + 1, a:b]), a)
+        return out
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         if self.attn_impl == "dense":
@@ -196,6 +227,20 @@ class SparseMLA(nn.Module):
             o, lse = fwd()
         keep.update(o=o, lse=lse)
         return kept(o, lse) if torch.is_grad_enabled() else o
+
+
+def document_spans(cu_seqlens, B: int, T: int) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every packed document. cu_seqlens are offsets into the flattened [B * T]
+    tokens (`data.packing.Batch.cu_seqlens`); a row's start is a document start whether or not they
+    list it."""
+    cuts = sorted({int(v) for v in torch.as_tensor(cu_seqlens).reshape(-1).tolist() if 0 <= int(v) <= B * T}
+                  | {r * T for r in range(B + 1)})
+    return [(a // T, a - a // T * T, b - a // T * T) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+
+def _shift(sel: torch.Tensor, by: int) -> torch.Tensor:
+    """Selected positions moved by `by`, the -1 of unused slots kept."""
+    return torch.where(sel >= 0, sel + by, sel)
 
 
 @contextlib.contextmanager

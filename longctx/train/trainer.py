@@ -81,7 +81,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device):
 
 # ---------------------------------------------------------------------- the run folder
 JOB_FILE = "torchrun_job"  # which torchrun job writes the run (see `Trainer._restarted`)
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "per_position_loss.png", JOB_FILE)
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "per_position_loss.png", "accuracy.png", JOB_FILE)
 TB_DIR = "tb"  # TensorBoard's event files (events.out.tfevents.*)
 
 
@@ -376,6 +376,12 @@ def resume_config(out: str, config_file: str | None = None, preset: str | None =
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, out_dir: str | None = None, quiet: bool = False, log=print):
+        if cfg.init_from is not None:  # the checkpoint's model, with the run's model settings checked against it
+            from ..distributed.loading import init_model_config
+
+            cfg.model = init_model_config(cfg.init_from, cfg.model, cfg.model_given)
+            cfg.model_given, cfg.vocab_note = None, None
+            cfg.validate()
         self.cfg = cfg
         self.out = out_dir or cfg.out_dir
         self.quiet, self.log = quiet, _pipe_safe(log)
@@ -398,6 +404,56 @@ class Trainer:
                 f"({tok.vocab_size}); set model.vocab_size >= {tok.vocab_size}."
             )
         self.tokenizer = tok
+        self.sft = None  # task = "sft": its conversations, template and held-out scoring (train/sft.py)
+        if cfg.task == "sft":
+            from .sft import SFTData, check_parallel
+
+            check_parallel(cfg, self.world)
+            self.sft = SFTData(cfg, tok, quiet=quiet, log=log)
+            self.stream, self.source_names = self.sft.stream, ["main"]
+            self.train_tokens, self.eval_tokens, self.eval_set = self.sft.train_tokens, self.sft.eval_tokens, self.sft.eval_set
+        else:
+            self._pretraining_data(cfg, tok, quiet, log)
+        if cfg.init_from is None:
+            self.model = LongCtxModel(cfg.model).to(self.device)
+            self.kernels_planned = apply_kernels(self.model, cfg.kernels)  # {op: what runs}; raises what cannot run
+        else:  # storage comes after the sharding below, for this rank's shards only, filled from init_from
+            with torch.device("meta"):
+                self.model = LongCtxModel(cfg.model)
+        self.n_params = self.model.num_parameters()  # counted whole, before any sharding
+        if self.mesh is not None:
+            from ..distributed.balance import attach_statistics, statistics_group
+            from ..distributed.expert_parallel import apply_expert_parallel
+            from ..distributed.fsdp import parallelize
+
+            # the memory plan only sets module switches and the block policy (applied per stage), so
+            # the sharding goes on now: the optimizer must see the sharded parameters (each rank's
+            # experts first, which FSDP then shards over the ranks holding the same experts)
+            apply_expert_parallel(self.model, self.mesh, cfg.parallel.ep)
+            parallelize(self.model, self.mesh)
+            attach_statistics(self.model, statistics_group(self.mesh))
+            self._set_cp(True)
+        if cfg.init_from is not None:
+            from ..distributed.loading import load_into
+
+            read = load_into(self.model, cfg.init_from, self.device)  # each rank its shards' slices
+            self.kernels_planned = apply_kernels(self.model, cfg.kernels)
+            if not self.quiet:
+                what = {"hf": "transformers layout", "ours": "longctx checkpoint", "dcp": "sharded longctx checkpoint"}
+                self.log(f"weights from {cfg.init_from} ({what[read.kind]}"
+                         + (f"; {read.elements():,} values read by rank 0)" if read.reads else ")"))
+        self.opt = make_optimizer(self.model, cfg, self.device)
+        self.step = 0
+        self.before = None
+        self.history: list[dict] = []
+        self.memory_policy = None
+        self.stage_entered = None  # the stage whose window, mixture and memory plan are in place
+        self.stage_estimate_gib = None  # `longctx estimate` of the stage's plan (CUDA only), shown beside each peak
+        self._tb = None  # a progress.TensorBoard while run() runs
+        self._kernels_said = None  # the impl report the last `kernels:` line printed
+
+    def _pretraining_data(self, cfg: TrainConfig, tok, quiet: bool, log) -> None:
+        """The packed document stream (and data.sources mixture) and the held-out windows of pretraining."""
         train_docs, eval_docs = load_split(cfg.data.path, cfg.data.text_field, cfg.data.eval_docs)
         self.train_tokens = tokenize_documents(train_docs, tok, quiet=quiet, desc="tokenizing train")
         self.eval_tokens = tokenize_documents(eval_docs, tok, quiet=quiet, desc="tokenizing eval")
@@ -430,30 +486,6 @@ class Trainer:
                     log(f"note: held-out documents are at most {longest + 1} tokens; evaluating at that length, not {eval_len}")
                 eval_len = longest
             self.eval_set = eval_windows(self.eval_tokens, eval_len, cfg.data.eval_windows, starts_only=False).tokens
-        self.model = LongCtxModel(cfg.model).to(self.device)
-        self.kernels_planned = apply_kernels(self.model, cfg.kernels)  # {op: what runs}; raises what cannot run
-        self.n_params = self.model.num_parameters()  # counted whole, before any sharding
-        if self.mesh is not None:
-            from ..distributed.balance import attach_statistics, statistics_group
-            from ..distributed.expert_parallel import apply_expert_parallel
-            from ..distributed.fsdp import parallelize
-
-            # the memory plan only sets module switches and the block policy (applied per stage), so
-            # the sharding goes on now: the optimizer must see the sharded parameters (each rank's
-            # experts first, which FSDP then shards over the ranks holding the same experts)
-            apply_expert_parallel(self.model, self.mesh, cfg.parallel.ep)
-            parallelize(self.model, self.mesh)
-            attach_statistics(self.model, statistics_group(self.mesh))
-            self._set_cp(True)
-        self.opt = make_optimizer(self.model, cfg, self.device)
-        self.step = 0
-        self.before = None
-        self.history: list[dict] = []
-        self.memory_policy = None
-        self.stage_entered = None  # the stage whose window, mixture and memory plan are in place
-        self.stage_estimate_gib = None  # `longctx estimate` of the stage's plan (CUDA only), shown beside each peak
-        self._tb = None  # a progress.TensorBoard while run() runs
-        self._kernels_said = None  # the impl report the last `kernels:` line printed
 
     # ------------------------------------------------------------------ many processes
     def _join_processes(self, cfg: TrainConfig):
@@ -473,7 +505,13 @@ class Trainer:
         mesh = build_mesh(world, cfg.parallel)
         self.dp, self.dp_rank = cfg.parallel.validate(world).dp, dp_rank(mesh)
         self.cp, self.cp_rank = cfg.parallel.cp, cp_rank(mesh)
+        from ..memory.model_bytes import CHUNKED_CP_ERROR
+        from ..memory.plan import MemoryPlan
+
         for i, s in enumerate(cfg.stages):
+            chunk = MemoryPlan.from_dict(s.memory or {}, base=MemoryPlan.from_dict(cfg.memory)).seq_chunk_tokens()
+            if self.cp > 1 and 0 < chunk < s.seq_len:  # said now, not when the stage comes
+                raise ConfigError(f"stages.{i}: " + CHUNKED_CP_ERROR.format(chunk=chunk, cp=self.cp))
             if s.seq_len % (2 * self.cp) and self.cp > 1:  # zigzag: two equal chunks per cp rank
                 raise ConfigError(f"stages.{i}.seq_len = {s.seq_len} does not split into the 2 x {self.cp} equal chunks "
                                   f"of parallel.cp = {self.cp}; make it a multiple of {2 * self.cp}.")
@@ -505,13 +543,7 @@ class Trainer:
         from ..layers.kda import KimiDeltaAttention
 
         ctx = cp_context(self.mesh, self.cfg.parallel) if on else None
-        from ..memory.model_bytes import CHUNKED_CP_ERROR
-        from ..memory.plan import MemoryPlan
-
         for m in self.model.modules():
-            chunk = MemoryPlan.from_dict(s.memory or {}, base=MemoryPlan.from_dict(cfg.memory)).seq_chunk_tokens()
-            if self.cp > 1 and 0 < chunk < s.seq_len:  # said now, not when the stage comes
-                raise ConfigError(f"stages.{i}: " + CHUNKED_CP_ERROR.format(chunk=chunk, cp=self.cp))
             if isinstance(m, (KimiDeltaAttention, SparseMLA)):
                 m.cp = ctx
 
@@ -644,6 +676,8 @@ class Trainer:
         None when data.eval_windows=0 turns evaluation off."""
         if self.eval_set is None:
             return None
+        if self.sft is not None:
+            return self._evaluate_sft(label)
         n_buckets = min(8, self.eval_set.shape[1] - 1)
         self._set_cp(False)
         try:
@@ -656,11 +690,31 @@ class Trainer:
         self._record({"step": self.step, "eval": label, "eval_loss": res["loss"], "buckets": res["buckets"]})
         return res
 
+    def _evaluate_sft(self, label: str) -> dict:
+        """The SFT evaluation (train/sft.py): the masked loss in buckets and the exact-match accuracy."""
+        res = self.sft.evaluate(self.model, self.device, self.dtype, progress=not self.quiet and sys.stderr.isatty())
+        self._record({"step": self.step, "eval": label, "eval_loss": res["loss"], "buckets": res["buckets"],
+                      "accuracy": res["accuracy"], **({"by_kind": res["by_kind"]} if "by_kind" in res else {})})
+        if not self.quiet:
+            acc = ", ".join(f"{k}: {100 * v:.1f}%" for k, v in res["accuracy"].items())
+            self.log(f"exact match ({label}): {acc}")
+        return res
+
+    def _batch_inputs(self, batch):
+        """(x, y, cu_seqlens) of this rank for one step; cu_seqlens None except for SFT, whose packed
+        conversations are kept apart."""
+        if self.sft is None:
+            return self._rows(batch.inputs).to(self.device), self._rows(batch.labels).to(self.device), None
+        from .sft import model_inputs
+
+        x, y, cu = model_inputs(batch, self._rows, self.mesh, self.memory_policy)
+        return x.to(self.device), y.to(self.device), cu.to(self.device)
+
     # ------------------------------------------------------------------ the loop
     def train_step(self, stage, step_in_stage: int) -> dict:
         model = self.model
         batch = self.stream.next_batch()
-        x, y = self._rows(batch.inputs).to(self.device), self._rows(batch.labels).to(self.device)
+        x, y, cu = self._batch_inputs(batch)
         lr = lr_at(stage, step_in_stage)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -677,7 +731,7 @@ class Trainer:
             elif chunked is not None:  # sequence-chunked step: forward and backward in one sweep pair
                 out = chunked(model, x, y)
             else:
-                out = model(x, labels=y, return_logits=False)
+                out = model(x, labels=y, return_logits=False, cu_seqlens=cu)
         loss = out.loss
         if self.mesh is not None and chunked is None:
             from ..distributed.fsdp import loss_share
@@ -800,8 +854,10 @@ class Trainer:
                                                  f"({self.world} processes)")
             self.log(f"model: {self.cfg.model.summary()} | {n['total'] / 1e6:.2f}M params ({n['active'] / 1e6:.2f}M active)"
                      + mesh + (f" | {self.cfg.vocab_note}" if self.cfg.vocab_note else ""))
-            self.log(f"data: {len(self.train_tokens)} train docs ({sum(len(t) for t in self.train_tokens):,} tokens), "
-                     f"{len(self.eval_tokens)} held-out docs; device {self.device}, dtype {str(self.dtype).replace('torch.', '')}")
+            data = self.sft.describe() if self.sft is not None else (
+                f"{len(self.train_tokens)} train docs ({sum(len(t) for t in self.train_tokens):,} tokens), "
+                f"{len(self.eval_tokens)} held-out docs")
+            self.log(f"data: {data}; device {self.device}, dtype {str(self.dtype).replace('torch.', '')}")
             if self._tb is not None and self._tb.note:
                 self.log(f"note: {self._tb.note}")
         if self.before is None and self.eval_set is not None:
@@ -850,6 +906,13 @@ class Trainer:
         elif os.path.exists(os.path.join(self.out, "per_position_loss.png")):  # an earlier run's, not this one's
             os.remove(os.path.join(self.out, "per_position_loss.png"))
         summary = {"step": self.step, "before": self.before, "after": after, "table": table}
+        if self.sft is not None and after is not None:  # exact match by haystack length, before -> after
+            from .sft import accuracy_plot, accuracy_table
+
+            summary["accuracy_table"] = accuracy_table(self.before, after)
+            if not self.quiet:
+                self.log("held-out exact match (before -> after):\n" + summary["accuracy_table"])
+            accuracy_plot(self.history, self.before, after, os.path.join(self.out, "accuracy.png"))
         with open(os.path.join(self.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         return summary
