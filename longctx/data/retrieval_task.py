@@ -35,10 +35,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..config.train import KINDS  # the question kinds, which the setting sft.kinds names
 from ..errors import DataError
 from .sources import STDLIB_EVAL_ALWAYS, STDLIB_EVAL_SHARE, stable_hash
 
-KINDS = ("signature", "returns", "file")
 QUESTIONS = {
     "signature": "What is the signature of `{}`?",
     "returns": "What does `{}` return?",
