@@ -1,7 +1,6 @@
 """Training steps of a few GLM-5.3-Flash-shaped layers on one GPU, through the trainer's run loop
 (`longctx train`'s, in a process per case), with each step's measured peak beside the estimate the
-trainer's plan made. The run writes no checkpoint: a 4.7 B-parameter model's weights and AdamW
-state are 57 GB, most of the lent machine's disk.
+trainer's plan made (bench/trainer_runs.py: no checkpoints).
 
 The shapes are the published model's (hidden 4096; KDA 64 x 128; MLA 64 heads, kv_lora 512; the
 indexer 32 x 128 with its k-pool; routed experts of width 2048, 8 a token, one shared), the layer
@@ -19,9 +18,7 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +26,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 from timing import env_record, write_results  # noqa: E402
+from trainer_runs import run_child, step_records, train_without_checkpoints  # noqa: E402
 
 # name -> (layer pattern, mlp pattern, routed experts)
 CASES = {
@@ -47,49 +45,26 @@ def case_sets(name: str, seq_len: int, steps: int) -> list[str]:
             "data.eval_windows=0", "ckpt_every=0"]
 
 
-def _text(b) -> str:
-    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-
-
 def run_case(name: str, seq_len: int, steps: int, out: Path, timeout: float) -> dict:
     run_dir = out / f"run-{name}"
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--seq-len", str(seq_len),
            "--steps", str(steps), "--out", str(run_dir)]
-    t0 = time.time()
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        rc, log = r.returncode, r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, log = "timeout", _text(e.stdout) + _text(e.stderr)
+    rc, log, wall_s = run_child(cmd, timeout)
     (out / f"{name}.log").write_text(log)
     rec = {"case": name, "layers": CASES[name][0], "mlp": CASES[name][1], "routed_experts": CASES[name][2],
-           "seq_len": seq_len, "rc": rc, "wall_s": round(time.time() - t0, 1),
-           "trainer_settings": case_sets(name, seq_len, steps)}
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        steps_ = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
-        rec["steps"] = [{k: s.get(k) for k in ("step", "loss", "step_s", "tokens_per_s", "peak_gib", "estimate_gib")}
-                        for s in steps_]
-        if steps_:
-            last = steps_[-1]
-            rec.update(peak_gib=last.get("peak_gib"), estimate_gib=last.get("estimate_gib"), step_s=last.get("step_s"))
-            if last.get("peak_gib") and last.get("estimate_gib"):
-                rec["estimate_over_peak"] = round(last["estimate_gib"] / last["peak_gib"] - 1, 4)
+           "seq_len": seq_len, "rc": rc, "wall_s": wall_s, "trainer_settings": case_sets(name, seq_len, steps)}
+    steps_ = step_records(run_dir)
+    rec["steps"] = [{k: s.get(k) for k in ("step", "loss", "step_s", "tokens_per_s", "peak_gib", "estimate_gib")}
+                    for s in steps_]
+    if steps_:
+        last = steps_[-1]
+        rec.update(peak_gib=last.get("peak_gib"), estimate_gib=last.get("estimate_gib"), step_s=last.get("step_s"))
+        if last.get("peak_gib") and last.get("estimate_gib"):
+            rec["estimate_over_peak"] = round(last["estimate_gib"] / last["peak_gib"] - 1, 4)
     plan = [line for line in log.splitlines() if line.startswith(("model:", "memory plan:", "kernels:"))]
     rec["plan_lines"] = plan[:3]
     return rec
-
-
-def child(name: str, seq_len: int, steps: int, out: str) -> None:
-    """One case in this process: the trainer of `longctx train --set ...`, its checkpoints skipped."""
-    from longctx.config.loading import load_train_config
-    from longctx.train.trainer import Trainer
-
-    cfg = load_train_config(None, None, case_sets(name, seq_len, steps))
-    trainer = Trainer(cfg, out_dir=out)
-    trainer.save = lambda reason: None
-    trainer.run(force=True)
 
 
 def main() -> None:
@@ -102,7 +77,7 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(args.child, args.seq_len, args.steps, args.out)
+        return train_without_checkpoints(case_sets(args.child, args.seq_len, args.steps), args.out)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {**env_record(), "runs": []}
@@ -113,7 +88,8 @@ def main() -> None:
         print(json.dumps({k: rec.get(k) for k in ("case", "rc", "peak_gib", "estimate_gib", "step_s", "wall_s")}), flush=True)
         res["runs"].append(rec)
         write_results(out, "glm_layers.json", res)
-    os.environ.get("OUT") and shutil.copy(out / "glm_layers.json", Path(os.environ["OUT"]) / "glm_layers.json")
+    if os.environ.get("OUT"):  # the device tool brings back what lies under $OUT
+        shutil.copy(out / "glm_layers.json", Path(os.environ["OUT"]) / "glm_layers.json")
 
 
 if __name__ == "__main__":

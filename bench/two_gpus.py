@@ -7,7 +7,7 @@ at equal tokens per GPU. Each run's per-rank peaks beside the estimate, step tim
     python bench/two_gpus.py --out DIR                    # every run (two GPUs)
     python bench/two_gpus.py --dry-run --out DIR          # every run on one GPU at 1/16 of its length
 
-The runs write no checkpoint (h200-ref's sharded weights and AdamW state are 18 GB a run). What the
+The runs write no checkpoint (bench/trainer_runs.py). What the
 plan does not take is recorded as the estimator's sentence, not run: 4M tokens with CP 2 leaves a
 tensor past 2^31 elements on each rank, and the sequence-chunked step that would hold it runs over
 data-parallel ranks only (docs/design/sequence_chunks.md).
@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +26,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 from timing import env_record, write_results  # noqa: E402
+from trainer_runs import run_child, step_records, train_without_checkpoints  # noqa: E402
 
 M = 1 << 20
 K = 1 << 10
@@ -71,43 +70,21 @@ def predict(name: str) -> dict:
             "recompute": plan.recompute, "peak_phase": e["peak_phase"]}
 
 
-def child(name: str, steps: int, scale: int, out: str) -> None:
-    """One run in this process (one of torchrun's): the trainer of `longctx train --set ...`, its
-    checkpoints skipped."""
-    from longctx.config.loading import load_train_config
-    from longctx.train.trainer import Trainer
-
-    trainer = Trainer(load_train_config(None, None, settings(name, steps, scale)), out_dir=out)
-    trainer.save = lambda reason: None
-    trainer.run(force=True)
-
-
-def _text(b) -> str:
-    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-
-
 def run(name: str, steps: int, scale: int, out: Path, timeout: float, procs: int) -> dict:
     run_dir = out / f"run-{name}"
     shutil.rmtree(run_dir, ignore_errors=True)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)] if procs > 1 else []
     cmd = [sys.executable, *launcher, str(Path(__file__).resolve()), "--child", name, "--steps", str(steps),
            "--scale", str(scale), "--out", str(run_dir)]
-    t0 = time.time()
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        rc, log = r.returncode, r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, log = "timeout", _text(e.stdout) + _text(e.stderr)
+    rc, log, wall_s = run_child(cmd, timeout)
     (out / f"{name}.log").write_text(log)
     rec = {"run": name, "processes": procs, "seq_len": RUNS[name][1] // scale, "global_batch": RUNS[name][2],
-           "rc": rc, "wall_s": round(time.time() - t0, 1), "trainer_settings": settings(name, steps, scale)}
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        steps_ = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
-        if steps_:
-            last = steps_[-1]
-            rec.update({k: last.get(k) for k in ("step_s", "tokens_per_s", "peak_gib", "peak_gib_ranks", "estimate_gib")})
-            rec["tokens_per_s_per_gpu"] = last["tokens_per_s"] / procs
+           "rc": rc, "wall_s": wall_s, "trainer_settings": settings(name, steps, scale)}
+    steps_ = step_records(run_dir)
+    if steps_:
+        last = steps_[-1]
+        rec.update({k: last.get(k) for k in ("step_s", "tokens_per_s", "peak_gib", "peak_gib_ranks", "estimate_gib")})
+        rec["tokens_per_s_per_gpu"] = last["tokens_per_s"] / procs
     return rec
 
 
@@ -123,7 +100,7 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(args.child, args.steps, args.scale, args.out)
+        return train_without_checkpoints(settings(args.child, args.steps, args.scale), args.out)
     names = args.runs.split(",")
     bad = [n for n in names if n not in RUNS]
     if bad:
