@@ -48,20 +48,92 @@ def optimizer(model):
 
 
 
-def one_process_step(model, opt, x, y, pieces: int) -> dict:
+def rank_rows(x: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's consecutive rows of the global batch."""
+    per = x.shape[0] // world
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def model_piece(model, xm, ym, n) -> float:
+    """One micro-batch's backward of its share of the global mean over `n` labels; returns the share."""
+    part = model(xm, labels=ym, return_logits=False).lm_loss * ((ym != -100).sum() / n)
+    part.backward()
+    return part.item()
+
+
+def one_process_step(model, opt, x, y, pieces: int, piece=model_piece) -> dict:
     """The single-process reference step: the loss and gradients of the whole batch taken in `pieces`
     consecutive micro-batches (each weighted by its share of the labels, the grouping of sums the
-    sharded runs follow), the clipped gradient norm, and the parameters after the optimizer step."""
+    sharded runs follow; `piece(model, xm, ym, n)` runs one), the clipped gradient norm, and the
+    parameters after the optimizer step."""
     from longctx.distributed.fsdp import clip_grad_norm_
 
     n = (y != -100).sum()
-    loss = 0.0
-    for xm, ym in zip(x.chunk(pieces), y.chunk(pieces)):
-        part = model(xm, labels=ym, return_logits=False).lm_loss * ((ym != -100).sum() / n)
-        part.backward()
-        loss += part.item()
+    loss = sum(piece(model, xm, ym, n) for xm, ym in zip(x.chunk(pieces), y.chunk(pieces)))
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     norm = clip_grad_norm_(list(model.parameters()), 0.5)
     opt.step()
     return {"loss": loss, "grads": grads, "norm": float(norm),
             "params": {k: p.detach().clone() for k, p in model.named_parameters()}}
+
+
+def step_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |b|, or over one step's length (lr) where the parameter is smaller: a
+    zero-initialised parameter (mHC's bias) whose gradient is rounding noise stays ~1e-18."""
+    return float((a - b).abs().max() / max(b.abs().max().item(), LR))
+
+
+def step_errors(model, opt, loss: torch.Tensor, want: dict) -> dict:
+    """A sharded step against `one_process_step`'s: the relative error of the summed loss (`loss`, this
+    rank's share, all-reduced here), of every gradient and the clipped norm, then of every parameter
+    after the optimizer step (which this runs)."""
+    import torch.distributed as dist
+
+    from cp_util import rel
+    from longctx.distributed.fsdp import clip_grad_norm_
+
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    errs = {"loss": abs(loss.item() - want["loss"]) / abs(want["loss"])}
+    for k, p in model.named_parameters():  # the indexer gets no gradient from the LM loss, here as there
+        errs[f"grad {k}"] = rel(None if p.grad is None else p.grad.full_tensor(), want["grads"].get(k))
+    norm = clip_grad_norm_(list(model.parameters()), 0.5)
+    errs["grad norm"] = abs(float(norm) - want["norm"]) / want["norm"]
+    opt.step()
+    for k, p in model.named_parameters():
+        errs[f"param {k}"] = step_rel(p.detach().full_tensor(), want["params"][k])
+    return errs
+
+
+class CountedCollectives:
+    """Counts the all-gathers and reduce-scatters FSDP runs while the context is open (torch 2.13 calls
+    the single-tensor entry points, older versions the *_tensor ones)."""
+
+    NAMES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+    def __init__(self):
+        self.counts = {"all_gather": 0, "reduce_scatter": 0}
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self._real = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+        for name, fn in self._real.items():
+            setattr(dist, name, self._counted(name, fn))
+        return self
+
+    def _counted(self, name, fn):
+        kind = "all_gather" if name.startswith("all_gather") else "reduce_scatter"
+
+        def counted(*a, **k):
+            self.counts[kind] += 1
+            return fn(*a, **k)
+
+        return counted
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, fn in self._real.items():
+            setattr(dist, name, fn)
+        return False

@@ -24,7 +24,7 @@ import torch
 
 import launch
 from cp_util import randomize, rel
-from fsdp_util import LR, B, S, batch, build, one_process_step, optimizer
+from fsdp_util import B, S, batch, build, one_process_step, optimizer, step_rel
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the one-process references: tiny ops
 TOL = 1e-5
@@ -117,11 +117,6 @@ def test_layer_matches_one_process(world, ep, balancer):
 
 
 # ----------------------------------------------------------------------------- the model under FSDP
-def step_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """As in test_fsdp: relative to max |b|, or to one step's length (lr) where the parameter is smaller."""
-    return float((a - b).abs().max() / max(b.abs().max().item(), LR))
-
-
 def build_model(residual: str = "mhc"):
     from longctx.layers.moe import MoE
     from longctx.model import LongCtxModel

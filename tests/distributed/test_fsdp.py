@@ -23,17 +23,10 @@ import pytest
 import torch
 
 import launch
-from cp_util import rel
-from fsdp_util import LR, B, batch, build, one_process_step, optimizer
+from fsdp_util import CountedCollectives, batch, build, one_process_step, optimizer, rank_rows, step_errors
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the one-process references: tiny ops
 TOL = 1e-5
-
-
-def step_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| over max |b|, or over one step's length (lr) where the parameter is smaller: a
-    zero-initialised parameter (mHC's bias) whose gradient is rounding noise stays ~1e-18."""
-    return float((a - b).abs().max() / max(b.abs().max().item(), LR))
 
 
 def reference(recompute: bool, pieces: int) -> dict:
@@ -52,10 +45,8 @@ def check_data_parallel(rank: int, world: int, recompute: bool, micro: int, want
     """`cp` > 1: a (dp, cp) mesh whose every rank holds its own sequences. FSDP sees no difference
     between a cp rank's share of a sequence and a dp rank's share of the batch; the check is that the
     units shard over, and the gradients sum over, the flattened dp x cp ranks."""
-    import torch.distributed as dist
-
     from longctx.distributed import ParallelConfig, build_mesh
-    from longctx.distributed.fsdp import clip_grad_norm_, loss_share, parallelize, set_gradient_sync
+    from longctx.distributed.fsdp import loss_share, parallelize, set_gradient_sync
 
     mesh = build_mesh(world, ParallelConfig(cp=cp))
     model = build()
@@ -66,8 +57,7 @@ def check_data_parallel(rank: int, world: int, recompute: bool, micro: int, want
     parallelize(model, mesh)
     opt = optimizer(model)
     x, y = batch()
-    per = B // world
-    xl, yl = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+    xl, yl = rank_rows(x, y, rank, world)
     n_all = (y != -100).sum()
     loss = torch.zeros(())
     for j, (xm, ym) in enumerate(zip(xl.chunk(micro), yl.chunk(micro))):
@@ -79,15 +69,7 @@ def check_data_parallel(rank: int, world: int, recompute: bool, micro: int, want
             part = lm_loss * ((ym != -100).sum() / n_all)
         part.backward()
         loss += part.detach()
-    dist.all_reduce(loss)
-    errs = {"loss": abs(loss.item() - want["loss"]) / abs(want["loss"])}
-    for k, p in model.named_parameters():  # the indexer gets no gradient from the LM loss, here as there
-        errs[f"grad {k}"] = rel(None if p.grad is None else p.grad.full_tensor(), want["grads"].get(k))
-    norm = clip_grad_norm_(list(model.parameters()), 0.5)
-    errs["grad norm"] = abs(float(norm) - want["norm"]) / want["norm"]
-    opt.step()
-    for k, p in model.named_parameters():
-        errs[f"param {k}"] = step_rel(p.detach().full_tensor(), want["params"][k])
+    errs = step_errors(model, opt, loss, want)
     return errs
 
 
@@ -103,8 +85,6 @@ def test_data_parallel_matches_one_process(world, recompute, micro):
 
 def check_bytes_and_collectives(rank: int, world: int) -> dict:
     """Per-rank parameter bytes, and the all-gathers / reduce-scatters of one recomputed step."""
-    import torch.distributed as dist
-
     from longctx.distributed import ParallelConfig, build_mesh
     from longctx.distributed.fsdp import loss_share, parallelize
     from longctx.memory.recompute import RecomputePolicy
@@ -116,35 +96,15 @@ def check_bytes_and_collectives(rank: int, world: int) -> dict:
                 for p in model.parameters())  # dim-0 shards, the first ranks take the remainder
     parallelize(model, mesh)
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    counts = {"all_gather": 0, "reduce_scatter": 0}
-    # FSDP calls torch 2.13's single-tensor entry points, older versions the *_tensor ones
-    names = [n for n in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor")
-             if hasattr(dist, n)]
-    real = {n: getattr(dist, n) for n in names}
-
-    def counted(name):
-        def fn(*a, **k):
-            counts["all_gather" if name.startswith("all_gather") else "reduce_scatter"] += 1
-            return real[name](*a, **k)
-
-        return fn
-
     out = {"local": local, "total": total, "bound": bound, "units": len(model.layers) + 1}
     for recompute in (False, True):
         model.block_fn = RecomputePolicy(recompute=True) if recompute else None
-        x, y = batch()
-        per = B // world
-        counts.update(all_gather=0, reduce_scatter=0)
-        for n in names:
-            setattr(dist, n, counted(n))
-        try:
-            o = model(x[rank * per : (rank + 1) * per], labels=y[rank * per : (rank + 1) * per], return_logits=False)
-            loss_share(o.lm_loss, y[rank * per : (rank + 1) * per], mesh).backward()
-        finally:
-            for n in names:
-                setattr(dist, n, real[n])
+        xl, yl = rank_rows(*batch(), rank, world)
+        with CountedCollectives() as counted:
+            o = model(xl, labels=yl, return_logits=False)
+            loss_share(o.lm_loss, yl, mesh).backward()
         model.zero_grad(set_to_none=True)
-        out["recompute" if recompute else "plain"] = dict(counts)
+        out["recompute" if recompute else "plain"] = dict(counted.counts)
 
     # bf16 gathers: the blocks compute on bf16 parameters, the routers on fp32 ones, and the fp32
     # shards receive fp32 gradients
@@ -161,11 +121,10 @@ def check_bytes_and_collectives(rank: int, world: int) -> dict:
 
     moe.router.register_forward_pre_hook(record("router", "weight"))
     moe.experts.register_forward_pre_hook(record("experts", "gate_up"))
-    x, y = batch()
-    per = B // world
+    xl, yl = rank_rows(*batch(), rank, world)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        o = model(x[rank * per : (rank + 1) * per], labels=y[rank * per : (rank + 1) * per], return_logits=False)
-    loss_share(o.lm_loss, y[rank * per : (rank + 1) * per], mesh).backward()
+        o = model(xl, labels=yl, return_logits=False)
+    loss_share(o.lm_loss, yl, mesh).backward()
     seen["grads"] = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
     seen["shards"] = sorted({str(p.dtype) for p in model.parameters()})
     seen["finite"] = bool(torch.isfinite(o.lm_loss))

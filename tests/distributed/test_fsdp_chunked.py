@@ -16,8 +16,7 @@ import pytest
 import torch
 
 import launch
-from cp_util import rel
-from fsdp_util import B, batch, build, optimizer, tiny_config
+from fsdp_util import B, CountedCollectives, batch, build, one_process_step, optimizer, rank_rows, step_errors, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-5
@@ -41,28 +40,18 @@ def _chunker(kl: bool):
 
 
 def reference(kl: bool, pieces: int) -> dict:
-    from longctx.distributed.fsdp import clip_grad_norm_
+    def piece(model, xm, ym, n):
+        return _chunker(kl).forward_backward(model, xm, ym, n_labels=n, n_rows=B).loss.item()
 
     model = _model(kl)
-    opt = optimizer(model)
     x, y = batch()
-    n = (y != -100).sum()
-    loss = 0.0
-    for xm, ym in zip(x.chunk(pieces), y.chunk(pieces)):
-        loss += _chunker(kl).forward_backward(model, xm, ym, n_labels=n, n_rows=B).loss.item()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    norm = clip_grad_norm_(list(model.parameters()), 0.5)
-    opt.step()
-    return {"loss": loss, "grads": grads, "norm": float(norm),
-            "params": {k: p.detach().clone() for k, p in model.named_parameters()}}
+    return one_process_step(model, optimizer(model), x, y, pieces, piece)
 
 
 def check_chunked(rank: int, world: int, kl: bool, ep: int, want: dict) -> dict:
-    import torch.distributed as dist
-
     from longctx.distributed import ParallelConfig, build_mesh
     from longctx.distributed.expert_parallel import apply_expert_parallel
-    from longctx.distributed.fsdp import clip_grad_norm_, parallelize, set_gradient_sync
+    from longctx.distributed.fsdp import parallelize, set_gradient_sync
 
     mesh = build_mesh(world, ParallelConfig(cp=1, ep=ep))
     model = _model(kl)
@@ -71,43 +60,14 @@ def check_chunked(rank: int, world: int, kl: bool, ep: int, want: dict) -> dict:
     parallelize(model, mesh)
     opt = optimizer(model)
     x, y = batch()
-    per = B // world
-    xl, yl = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-    n_all = (y != -100).sum()
-    counts = {"reduce_scatter": 0}
-    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
-    real = {n: getattr(dist, n) for n in names}
-
-    def counted(name):
-        def fn(*a, **k):
-            counts["reduce_scatter"] += 1
-            return real[name](*a, **k)
-
-        return fn
-
-    for n in names:
-        setattr(dist, n, counted(n))
-    try:
-        out = _chunker(kl).forward_backward(model, xl, yl, n_labels=n_all, n_rows=B,
+    xl, yl = rank_rows(x, y, rank, world)
+    with CountedCollectives() as counted:
+        out = _chunker(kl).forward_backward(model, xl, yl, n_labels=(y != -100).sum(), n_rows=B,
                                             grad_sync=lambda on: set_gradient_sync(model, on))
-    finally:
-        for n in names:
-            setattr(dist, n, real[n])
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss)
-    errs = {"loss": abs(loss.item() - want["loss"]) / abs(want["loss"])}
-    for k, p in model.named_parameters():
-        errs[f"grad {k}"] = rel(None if p.grad is None else p.grad.full_tensor(), want["grads"].get(k))
-    norm = clip_grad_norm_(list(model.parameters()), 0.5)
-    errs["grad norm"] = abs(float(norm) - want["norm"]) / want["norm"]
-    opt.step()
-    lr = opt.param_groups[0]["lr"]
-    for k, p in model.named_parameters():
-        a, b = p.detach().full_tensor(), want["params"][k]
-        errs[f"param {k}"] = float((a - b).abs().max() / max(b.abs().max().item(), lr))
+    errs = step_errors(model, opt, out.loss, want)
     # one reduce-scatter per FSDP unit that received a gradient (routers and experts among them)
     units = {id(m) for m in model.modules() if hasattr(m, "set_requires_gradient_sync")}
-    return {"errs": errs, "reduce_scatters": counts["reduce_scatter"], "units": len(units)}
+    return {"errs": errs, "reduce_scatters": counted.counts["reduce_scatter"], "units": len(units)}
 
 
 @pytest.mark.parametrize("world, kl, ep", [(2, False, 1), (2, True, 1), (4, False, 2)],
