@@ -733,13 +733,14 @@ class Trainer:
             else:
                 out = model(x, labels=y, return_logits=False, cu_seqlens=cu)
         loss = out.loss
+        share = out.lm_loss  # this rank's share of the global mean: a chunked step's is one already
         if self.mesh is not None and chunked is None:
             from ..distributed.fsdp import loss_share
 
             # this rank's share of the global mean: the summed gradients are the single-process ones. The
             # MoE aux loss is a share already (GlobalStatistics), the indexer KL a share of its sequence
             # (summed over the cp ranks) and the mean over as many tokens as every other dp rank's: 1/dp.
-            loss = loss_share(out.lm_loss, y, self.mesh)
+            loss = share = loss_share(out.lm_loss, y, self.mesh)
             for k, v in out.aux.items():
                 loss = loss + (v if k == "moe_aux" else v / self.dp)
         if chunked is None:
@@ -760,8 +761,7 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         lm_loss, tokens = out.lm_loss, x.numel()
-        if self.mesh is not None:  # the global mean and the whole step's tokens (a chunked step's loss is a share)
-            share = out.lm_loss if chunked is not None else loss_share(out.lm_loss, y, self.mesh)
+        if self.mesh is not None:  # the global mean and the whole step's tokens
             lm_loss, tokens = self._sum_over_ranks(share), tokens * self.world
         rec = {"step": self.step + 1, "stage": self.stage_at(self.step)[0], "seq_len": stage.seq_len,
                "loss": lm_loss.item(), "grad_norm": gn.item(), "lr": lr,
