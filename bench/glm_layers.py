@@ -5,9 +5,10 @@ trainer's plan made (bench/trainer_runs.py: no checkpoints).
 The shapes are the published model's (hidden 4096; KDA 64 x 128; MLA 64 heads, kv_lora 512; the
 indexer 32 x 128 with its k-pool; routed experts of width 2048, 8 a token, one shared), the layer
 count and the routed experts per MoE layer are the case's. One H200 holds no MoE layer of all 288
-experts under fp32 AdamW (the estimate says 150.7 GiB for KD / dm at 64k: 7.25 B expert parameters
-at 16 bytes each), so the MoE cases hold an expert-parallel rank's share: 288 / 8 = 36 experts sees,
-per rank, the token-expert pairs of EP 8 with 64k tokens a rank.
+experts under fp32 AdamW: 288 x 3 x 4096 x 2048 = 7.25 B expert parameters at 16 bytes each (weight,
+gradient, two moments) are 116 GB before any activation. So the MoE cases hold an expert-parallel
+rank's share: 288 / 8 = 36 experts sees, per rank, the token-expert pairs of EP 8 with 64k tokens a
+rank.
 
     python bench/glm_layers.py --out bench/out/glm_layers [--cases dense4,ep8share4] [--seq-len 65536]
 """
