@@ -241,6 +241,43 @@ class KPoolIndexer(nn.Module):
             tokens.scatter_(-1, slot, tail.expand(B, c, P - 1))
         return tokens.to(torch.int32)
 
+    # ------------------------------------------------------------------ compact form
+    def compact_width(self) -> int:
+        """Entries per query of `compact`: one per group of `pool` slots of the selection."""
+        return -(-self.width // self.pool)
+
+    def compact(self, sel: torch.Tensor) -> torch.Tensor:
+        """The selection [B, T, width] as one int32 entry per `pool` slots ([B, T, ceil(width/pool)]).
+
+        `select` writes each selected pool as `pool` consecutive slots starting at a multiple of
+        `pool`, then the query's own incomplete pool (the tail) in the same aligned way, then -1; so
+        the first slot of every group says the whole group. The sequence-chunked step keeps every
+        chunk's selection until the backward sweep (on the host on CUDA: 32 GiB per DSA layer at 4M
+        tokens for h200-ref in full, a quarter of it compacted), and `expand` rebuilds it exactly."""
+        return sel[..., :: self.pool].contiguous()
+
+    def expand(self, comp: torch.Tensor, p0: int, rows: int = 16384) -> torch.Tensor:
+        """Inverse of `compact` for queries at absolute positions p0, p0+1, ... (int32 throughout and
+        `rows` queries at a time, so the rebuild costs one chunk's selection and not its int64 twin).
+
+        A group whose first token starts the query's own incomplete pool is the tail: (t+1) mod pool
+        tokens. No selectable pool starts there (a pool is selectable once complete), so it is never
+        mistaken for one."""
+        B, T, G = comp.shape
+        P = self.pool
+        out = torch.empty(B, T, self.width, dtype=torch.int32, device=comp.device)
+        offs = torch.arange(P, dtype=torch.int32, device=comp.device)
+        for r0 in range(0, T, rows):
+            r1 = min(T, r0 + rows)
+            first = comp[:, r0:r1].to(torch.int32)
+            pos = torch.arange(p0 + r0, p0 + r1, dtype=torch.int32, device=comp.device)
+            cnt = (pos + 1) % P
+            tail = (first == (pos + 1 - cnt)[:, None]) & (cnt > 0)[:, None]
+            n = torch.where(first < 0, 0, torch.where(tail, cnt[:, None].expand_as(first), P))
+            full = torch.where(offs < n[..., None], first[..., None] + offs, -1)
+            out[:, r0:r1] = full.flatten(-2)[..., : self.width]
+        return out
+
     # ------------------------------------------------------------------ training signal
     def kl_loss(self, x: torch.Tensor, q_latent: torch.Tensor, q_attn: torch.Tensor, kv: torch.Tensor,
                 scale: float, selection: torch.Tensor | None = None, dense: bool = False,

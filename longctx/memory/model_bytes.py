@@ -380,7 +380,8 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     e = dict(e, peak_phase=f"{e['peak_phase']}, {case}")
     for name, b in e["kept_gpu"].items():
         kept[f"{name}, one chunk"] = b
-    host = {f"layer {i} selection": S * cfg.index_width() * 4 for i, k in enumerate(kinds) if k == "D" and idx[i] == "f"}
+    per_query = -(-cfg.index_width() // cfg.index_pool) if plan.compact_selection else cfg.index_width()
+    host = {f"layer {i} selection": S * per_query * 4 for i, k in enumerate(kinds) if k == "D" and idx[i] == "f"}
     work = dict(e["working"])
     backward = sum(e["static"].values()) + sum(kept.values()) + sum(work.values())
     # the forward sweep: no gradients yet (nor the latents' fp32 gradient buffers: the backward sweep

@@ -30,6 +30,10 @@
     loss_chunk          LM head + loss over `loss_chunk` rows      [S, vocab] logits materialised
     seq_chunk           the step runs over the sequence in chunks  the whole sequence at once
                         of N tokens, backprop carried between them
+    compact_selection   the chunked step keeps each chunk's        the int32 token indices (2,051 a token
+                        selection as one int32 per selected pool   per DSA layer for h200-ref: 96 GiB of
+                        (expanded exactly when its chunk is        host memory at 4M tokens against 24)
+                        rebuilt)
     seq_skip_last       the chunked step's forward sweep stops     the sweep runs every chunk (the last
                         before the last chunk (its backward sweep  one's carries are never read)
                         builds that chunk first, selecting and
@@ -74,13 +78,15 @@ class MemoryPlan:
     attn_chunk: int = 1024  # queries per pass of the torch sparse-attention twin
     seq_chunk: str = "auto"  # "auto" | "off" | tokens per chunk, e.g. "65536"
     seq_skip_last: bool = True
+    compact_selection: bool = True
 
     @classmethod
     def baseline(cls) -> "MemoryPlan":
         """What a plain implementation does: every technique off."""
         return cls(sparse_kernel=False, chunked_indexer=False, recompute="off", offload="off", pin_memory=False,
                    keep_pinned=False, reuse_selection=False, reuse_attention=False, router_release=False, mhc_cast_recompute=False, moe_bf16_combine=False,
-                   mhc_chunk=0, moe_chunk=0, loss_chunk=0, seq_chunk="off", seq_skip_last=False)
+                   mhc_chunk=0, moe_chunk=0, loss_chunk=0, seq_chunk="off", seq_skip_last=False,
+                   compact_selection=False)
 
     @classmethod
     def from_dict(cls, d: dict | None, base: "MemoryPlan | None" = None) -> "MemoryPlan":
@@ -175,7 +181,7 @@ def apply_plan(model, plan: MemoryPlan):
         model.block_fn = None
         return SequenceChunker(plan.seq_chunk_tokens(), checkpoint_blocks=plan.recompute == "on",
                                pin_memory=plan.pin_memory, skip_last_chunk=plan.seq_skip_last,
-                               reuse_attention=plan.reuse_attention)
+                               reuse_attention=plan.reuse_attention, compact_selection=plan.compact_selection)
     if blocks:
         model.block_fn = RecomputePolicy(recompute=True, offload_layers=plan.offload_blocks(),
                                          reuse_selection=plan.reuse_selection, reuse_attention=plan.reuse_attention,

@@ -84,13 +84,15 @@ class SequenceChunker:
     rather than re-running the sparse forward (memory.reuse_attention)."""
 
     def __init__(self, chunk: int, checkpoint_blocks: bool = True, selection_to_host: bool = True,
-                 pin_memory: bool = True, skip_last_chunk: bool = True, reuse_attention: bool = False):
+                 pin_memory: bool = True, skip_last_chunk: bool = True, reuse_attention: bool = False,
+                 compact_selection: bool = True):
         if chunk < 1:
             raise ConfigError(f"memory.seq_chunk must be >= 1 tokens (got {chunk}).")
         self.chunk, self.checkpoint_blocks = chunk, checkpoint_blocks
         self.selection_to_host, self.pin_memory = selection_to_host, pin_memory
         self.skip_last_chunk = skip_last_chunk  # memory.seq_skip_last
         self.reuse_attention = reuse_attention  # memory.reuse_attention
+        self.compact_selection = compact_selection  # memory.compact_selection: one int32 per pool, not per token
         self.last_stats: dict = {}
         self._host: dict = {}  # (layer, chunk) -> pinned selection buffer, reused step after step
         self.progress = None  # optional callable(str): one line per chunk of each sweep (benchmarks)
@@ -254,7 +256,8 @@ class SequenceChunker:
                     # nothing reads the last block's output in a recording sweep: only its caches and selection
                     state, sel = block(state, sel, cache=caches[i], caches_only=record and i == last_block)
                     if block.kind == "D" and block.mixer.indexer is not None and record:
-                        selections[i][ci] = self._keep(sel, host, (i, ci))
+                        kept = block.mixer.indexer.compact(sel) if self._compacts(block) else sel
+                        selections[i][ci] = self._keep(kept, host, (i, ci))
                 if not record:
                     losses.append(model.chunked_token_losses(model.norm(model.stream.final(state)), labels[:, s0:s1]))
                 self._report(f"forward sweep: chunk {ci + 1}/{len(bounds)} done", input_ids)
@@ -273,6 +276,9 @@ class SequenceChunker:
             torch.cuda.synchronize(x.device)
             what += f", peak {torch.cuda.max_memory_allocated(x.device) / 2**30:.2f} GiB"
         self.progress(what)
+
+    def _compacts(self, block) -> bool:
+        return self.compact_selection and block.mixer.indexer.pool > 1
 
     def _keep(self, sel: torch.Tensor, host: bool, key) -> torch.Tensor:
         """The selection, or its copy in a host buffer. Pinned buffers are allocated once and reused
@@ -333,6 +339,8 @@ class SequenceChunker:
                 forced = selections[i][ci]
                 if forced is not None:
                     forced = forced.to(ids.device, non_blocking=True)
+                    if self._compacts(block):
+                        forced = block.mixer.indexer.expand(forced, s0)
                 select = None
                 if forced is None and caches is not None and block.mixer.indexer is not None:
                     select = {"cache": caches[i].indexer}  # the selection lands here for the recompute

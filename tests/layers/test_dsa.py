@@ -472,3 +472,25 @@ def test_pool_scores_are_fp32_under_autocast():
     # the projections (wq_b, weights_proj) stay under autocast; the score matmuls must not be bf16
     assert (got - want).abs().max() <= 2e-2 * want.abs().max(), (got - want).abs().max()
     assert ref.shape == got.shape
+
+
+@pytest.mark.parametrize("pool,topk,tail", [(4, 16, True), (4, 16, False), (3, 12, True), (1, 8, True)])
+@pytest.mark.parametrize("p0", [0, 37])
+def test_compact_selection_expands_to_the_same_indices(pool, topk, tail, p0):
+    """`compact` keeps one entry per pool; `expand` must rebuild every slot exactly, including the
+    early queries with fewer complete pools than top-k (-1 padding) and the tail of the own pool."""
+    cfg = make_cfg(index_pool=pool, index_topk=topk, index_tail=tail)
+    idx = KPoolIndexer(cfg, 0)
+    randomize(idx, 3)
+    g = torch.Generator().manual_seed(5)
+    T = 90
+    x = torch.randn(2, p0 + T, cfg.hidden_size, generator=g)
+    q = torch.randn(2, p0 + T, cfg.q_lora_rank, generator=g)
+    cache = IndexerCache()
+    if p0:
+        idx.select(x[:, :p0], q[:, :p0], cache=cache)
+    sel = idx.select(x[:, p0:], q[:, p0:], cache=cache)
+    assert (sel >= 0).any() and (p0 or (sel < 0).any())
+    comp = idx.compact(sel)
+    assert comp.shape[-1] == idx.compact_width() == -(-cfg.index_width() // pool)
+    assert torch.equal(idx.expand(comp, p0, rows=17), sel)

@@ -400,3 +400,23 @@ if __name__ == "__main__":  # under TRITON_INTERPRET=1 (tests/triton_interpreter
     import json
 
     print("RESULT " + json.dumps(_triton_chunked_vs_torch_whole()))
+
+
+def test_compact_selection_changes_nothing_but_what_is_kept():
+    """memory.compact_selection: the chunks rebuilt from compacted selections give bit-identical
+    losses and gradients, and what is kept per chunk is a quarter (pool 4) of the full selection."""
+    x, y = _batch(_model().cfg)
+    out = {}
+    for compact in (False, True):
+        m = _model()
+        ch = SequenceChunker(16, compact_selection=compact)
+        kept = []
+        orig = ch._keep
+        ch._keep = lambda sel, host, key: kept.append(sel.numel()) or orig(sel, host, key)
+        loss = ch.forward_backward(m, x, y).lm_loss
+        out[compact] = (loss, _grads(m), sum(kept))
+    assert torch.equal(out[True][0], out[False][0])
+    for n, g in out[False][1].items():
+        assert torch.equal(out[True][1][n], g), n
+    cfg = _model().cfg
+    assert out[True][2] * cfg.index_width() == out[False][2] * -(-cfg.index_width() // cfg.index_pool)
