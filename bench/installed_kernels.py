@@ -12,7 +12,8 @@ Candidates, each run where it can be and otherwise recorded with the reason it c
 - cuDNN frontend's DSA kernels (`nvidia-cudnn-frontend`, `cudnn.deepseek_sparse_attention`): CuTe DSL
   kernels, not cuDNN graph ops, so they need `nvidia-cutlass-dsl[cu13]` at run time. Its forward is
   SM100-only in 1.32; its backward and its radix top-k run on SM90. Tried only if importable.
-- Static entries for what no run here can load (sgl-kernel, sglang-kernel, FlashMLA's sparse decode).
+- Static entries for what no run here can load or carry (sgl-kernel, sglang-kernel, the cuDNN
+  frontend with its CuTe DSL runtime, FlashMLA's sparse decode).
 
 Each runnable candidate is compared by relative error with the fp32 torch twin
 (`longctx.ops.sparse_attention.naive`) on a sample of query rows of the same inputs, and timed with
@@ -356,7 +357,8 @@ def main():
     ap.add_argument("--heads", default="16,64")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
-    ap.add_argument("--child-timeout-s", type=int, default=240)
+    ap.add_argument("--child-timeout-s", type=int, default=170,
+                    help="per candidate (three of them fit the device machine's 10-minute limit on one command)")
     args = ap.parse_args()
     seqlens = [32768] if args.quick else [int(s) for s in args.seqlens.split(",")]
     heads = [int(h) for h in args.heads.split(",")]
