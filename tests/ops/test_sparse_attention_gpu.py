@@ -119,3 +119,78 @@ def test_kept_attention_backward(B, S, H):
     for name, a, b in zip(("dq", "dkv"), got, twin):
         print(f"B={B} S={S} H={H} {name}: kernel vs twin rel-RMS {_rel(a, b):.2e} (seed {seed})")
         assert _rel(a, b) <= 2e-2, (name, _rel(a, b), seed)
+
+
+# ------------------------------------------------------------------------------------------- union mode
+@pytest.mark.parametrize(
+    "B,S,H,G,redraw",
+    [
+        (1, 2301, 16, 4, 0.1),  # h200-ref's heads, 64 rows a program, partial last group
+        (1, 2301, 16, 2, 0.1),  # 32 rows
+        (2, 333, 8, 8, 0.3),  # 64 rows of 8 queries, every query with -1 padding, two sequences
+        (1, 700, 64, 2, 0.1),  # 128 rows: two programs per group
+    ],
+)
+def test_union_bf16_matches_twin_and_per_query_kernel(B, S, H, G, redraw):
+    """The compiled union kernels against the union's fp32 torch twin and against today's per-query kernel
+    (G = 1) on the same inputs, with bf16 tolerances; forced G through autograd, and the kept-output path."""
+    from longctx.ops.sparse_attention import union as un
+    from longctx.ops.sparse_attention.naive import persistent_pool_indices
+    from longctx.ops.sparse_attention.triton import (
+        kept_sparse_attention_triton,
+        sparse_attention_triton,
+        union_attention_bwd,
+        union_attention_fwd,
+    )
+
+    D, K = 512, 2051
+    g = torch.Generator(device="cuda").manual_seed(S * 7 + H + G)
+    q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    kv = torch.randn(B, S, D, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    idx = torch.stack([persistent_pool_indices(S, K, redraw, generator=g) for _ in range(B)])
+    scale = D**-0.5 * 2.0
+    do = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16()
+
+    u = un.build_union(idx, G, S)
+    o, lse = union_attention_fwd(q.detach(), kv.detach(), u, scale)
+    dq, dkv = union_attention_bwd(q.detach(), kv.detach(), u, o, lse, do, scale)
+    o_t, lse_t = un.union_attention_torch(q.detach().float(), kv.detach().float(), u, scale)
+    dq_t, dkv_t = un.union_attention_bwd_torch(q.detach().float(), kv.detach().float(), u, o.float(), lse, do.float(),
+                                               scale)
+    assert _rel(o, o_t) <= 5e-3 and _rel(dq, dq_t) <= 2e-2 and _rel(dkv, dkv_t) <= 2e-2, (
+        _rel(o, o_t), _rel(dq, dq_t), _rel(dkv, dkv_t))
+    fin = torch.isfinite(lse_t)
+    assert torch.equal(torch.isfinite(lse), fin) and float((lse[fin] - lse_t[fin]).abs().max()) < 1e-2
+
+    o1 = sparse_attention_triton(q, kv, idx, scale, group=1)
+    ref = torch.autograd.grad(o1, (q, kv), do)
+    og = sparse_attention_triton(q, kv, idx, scale, group=G)
+    got = torch.autograd.grad(og, (q, kv), do)
+    print(f"B={B} S={S} H={H} G={G}: U/k {un.union_sizes(idx, S)[G]:.3f}; union vs G=1: o {_rel(og, o1):.2e} "
+          f"dq {_rel(got[0], ref[0]):.2e} dkv {_rel(got[1], ref[1]):.2e}")
+    assert _rel(og, o1) <= 5e-3 and _rel(got[0], ref[0]) <= 2e-2 and _rel(got[1], ref[1]) <= 2e-2
+
+    kept = kept_sparse_attention_triton(q, kv, idx, o, lse, scale, group=G)
+    got_k = torch.autograd.grad(kept, (q, kv), do)
+    assert torch.equal(got_k[0], got[0])  # dq stays in registers: the same kernel gives the same bits
+    assert _rel(got_k[1], got[1]) <= 1e-2
+
+
+def test_union_auto_choice_on_the_gpu():
+    """The cost model picks a union for neighbours that keep their pools and today's kernel for independent
+    ones, and either way the result is today's function."""
+    from longctx.ops.sparse_attention import union as un
+    from longctx.ops.sparse_attention.naive import persistent_pool_indices
+    from longctx.ops.sparse_attention.triton import sparse_attention_triton
+
+    S, H, D, K = 16384, 16, 512, 2051  # long enough that independent picks rarely coincide
+    g = torch.Generator(device="cuda").manual_seed(3)
+    close = persistent_pool_indices(S, K, 0.02, generator=g)[None]
+    apart = causal_pool_indices(S, K, generator=g)[None]
+    assert un.resolve_group(close, H, S, "auto") == 4
+    assert un.resolve_group(apart, H, S, "auto") == 1
+    q = torch.randn(1, S, H, D, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(1, S, D, device="cuda", generator=g).bfloat16()
+    o_auto = sparse_attention_triton(q, kv, close, D**-0.5)
+    o_one = sparse_attention_triton(q, kv, close, D**-0.5, group=1)
+    assert _rel(o_auto, o_one) <= 5e-3

@@ -172,3 +172,40 @@ def causal_pool_indices(S: int, K: int, pool: int = 4, device="cuda", generator=
     # shuffle slot order: the kernel must not rely on any order
     perm = torch.argsort(torch.rand(S, idx.shape[1], device=device, generator=generator), dim=1)
     return torch.gather(idx, 1, perm)[:, :K].to(torch.int32)
+
+
+def persistent_pool_indices(S: int, K: int, redraw: float, pool: int = 4, device="cuda", generator=None) -> torch.Tensor:
+    """`causal_pool_indices` whose older pools persist from one query to the next, the way a trained
+    indexer's neighbouring queries keep most of each other's pools (bench/union_size.py measures it): each
+    older pick is redrawn (in its stratum, at that query) with probability `redraw` per query and is the
+    previous query's otherwise. redraw = 1 gives independent neighbours, as `causal_pool_indices`. Rows are
+    ascending, -1 padded; a pool that two slots hold after a redraw counts once. The workload of the union
+    kernels' GPU tests and benchmark."""
+    n_sel = (K - (pool - 1)) // pool
+    t = torch.arange(S, device=device)
+    n_pool = (t + 1) // pool
+    n_recent = min(64, n_sel)
+    n_old = n_sel - n_recent
+    span = (n_pool - n_recent).clamp(min=0).double()
+    u = torch.rand(S, max(n_old, 1), device=device, generator=generator)[:, :n_old]
+    i = torch.arange(n_old + 1, device=device, dtype=torch.float64)
+    edges = torch.floor(i[None, :] * span[:, None] / max(n_old, 1)).long()
+    fresh = edges[:, :-1] + (u * (edges[:, 1:] - edges[:, :-1])).long()  # a new pick in each stratum, per query
+    redrawn = torch.rand(S, max(n_old, 1), device=device, generator=generator)[:, :n_old] < redraw
+    redrawn |= (n_pool <= n_sel + 1)[:, None]  # the prefix that takes every pool, and the first query after it
+    last = torch.where(redrawn, t[:, None], 0).cummax(dim=0).values  # the latest redraw at or before t
+    old = fresh.gather(0, last)
+    recent = n_pool[:, None] - 1 - torch.arange(n_recent, device=device)
+    pools = torch.cat([recent, old], 1)
+    few = n_pool <= n_sel
+    pools = torch.where(few[:, None], torch.arange(n_sel, device=device)[None, :], pools)
+    pools = torch.where(pools < n_pool[:, None], pools, -1)
+    pools = pools.sort(dim=1).values
+    repeat = torch.zeros_like(pools, dtype=torch.bool)
+    repeat[:, 1:] = pools[:, 1:] == pools[:, :-1]
+    pools = torch.where(repeat, -1, pools)
+    tok = pools[:, :, None] * pool + torch.arange(pool, device=device)
+    tok = torch.where(pools[:, :, None] >= 0, tok, -1).flatten(1)
+    tail = n_pool[:, None] * pool + torch.arange(pool - 1, device=device)
+    tail = torch.where(tail <= t[:, None], tail, -1)
+    return torch.cat([tok, tail], 1)[:, :K].to(torch.int32)
