@@ -284,6 +284,10 @@ def state_dict_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, origin: di
 
 
 def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our keys -> hub keys, for the whole state dict or any part of it (an exporter converts one layer
+    at a time): each of our tensors maps on its own. The fused experts become per-expert views of their
+    rows (`gate_up` [E, 2I, h] -> experts.e.gate_proj / up_proj, `down` [E, h, I] -> experts.e.down_proj),
+    which are contiguous: nothing is copied."""
     out = {}
     for k, t in sd.items():
         if k == "lm_head.weight":
@@ -292,35 +296,57 @@ def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
             out[HF_PREFIX + ("embed_tokens.weight" if k == "embed.weight" else "norm.weight")] = t
         else:
             m = re.match(r"layers\.(\d+)\.(.*)$", k)
+            if m is None:
+                raise CheckpointError(f"model tensor {k!r} has no GLM-5.3-Flash equivalent; it cannot be exported.")
             i, suffix = int(m.group(1)), m.group(2)
+            pre = f"{HF_PREFIX}layers.{i}."
             if suffix == "mlp.experts.gate_up":
                 inter = t.shape[1] // 2
                 for j in range(t.shape[0]):
-                    out[f"{HF_PREFIX}layers.{i}.mlp.experts.{j}.gate_proj.weight"] = t[j, :inter]
-                    out[f"{HF_PREFIX}layers.{i}.mlp.experts.{j}.up_proj.weight"] = t[j, inter:]
+                    out[f"{pre}mlp.experts.{j}.gate_proj.weight"] = t[j, :inter]
+                    out[f"{pre}mlp.experts.{j}.up_proj.weight"] = t[j, inter:]
             elif suffix == "mlp.experts.down":
                 for j in range(t.shape[0]):
-                    out[f"{HF_PREFIX}layers.{i}.mlp.experts.{j}.down_proj.weight"] = t[j]
+                    out[f"{pre}mlp.experts.{j}.down_proj.weight"] = t[j]
+                if cfg.n_shared_experts == 0:
+                    # transformers always builds a shared MLP, of width 0 here, and saves its empty weights:
+                    # write them the same
+                    h = t.shape[1]
+                    out[pre + "mlp.shared_experts.gate_proj.weight"] = t.new_zeros(0, h)
+                    out[pre + "mlp.shared_experts.up_proj.weight"] = t.new_zeros(0, h)
+                    out[pre + "mlp.shared_experts.down_proj.weight"] = t.new_zeros(h, 0)
             else:
                 hub = _rename_layer_key(suffix, to_ours=False)
                 if hub is None:
                     raise CheckpointError(f"model tensor {k!r} has no GLM-5.3-Flash equivalent; it cannot be exported.")
-                out[f"{HF_PREFIX}layers.{i}.{hub}"] = t
-    if cfg.n_shared_experts == 0:
-        # transformers always builds a shared MLP, of width 0 here, and saves its empty weights: write them the same
-        for i, kind in enumerate(cfg.mlp_kinds()):
-            if kind == "m":
-                like = sd[f"layers.{i}.mlp.experts.down"]
-                h = like.shape[1]
-                pre = f"{HF_PREFIX}layers.{i}.mlp.shared_experts."
-                out[pre + "gate_proj.weight"] = like.new_zeros(0, h)
-                out[pre + "up_proj.weight"] = like.new_zeros(0, h)
-                out[pre + "down_proj.weight"] = like.new_zeros(h, 0)
+                out[pre + hub] = t
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def export_pieces(names, num_layers: int) -> list[list[str]]:
+    """Our tensor names in the pieces an export converts and writes one after another: the embedding,
+    then each layer's tensors, then the rest (final norm, head). A piece is what an exporter holds at
+    once; at GLM-5.3-Flash's size a layer is the natural unit (its experts are most of it)."""
+    def place(name: str) -> int:
+        m = re.match(r"layers\.(\d+)\.", name)
+        return 1 + int(m.group(1)) if m else (0 if name == "embed.weight" else num_layers + 1)
+
+    groups: dict[int, list[str]] = {}
+    for n in names:
+        groups.setdefault(place(n), []).append(n)
+    return [groups[k] for k in sorted(groups)]
 
 
 # ------------------------------------------------------------------------------ files
 def _read_safetensors(path: str, skip=lambda k: False) -> dict[str, torch.Tensor]:
+    out = {}
+    for part in _safetensors_files(path, skip):
+        out.update(part)
+    return out
+
+
+def _safetensors_files(path: str, skip=lambda k: False):
+    """The tensors of a folder's safetensors (those of its index, if it has one), one file at a time."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -329,18 +355,13 @@ def _read_safetensors(path: str, skip=lambda k: False) -> dict[str, torch.Tensor
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"no .safetensors files in {path!r}; point load_pretrained at a checkpoint directory.")
-    out = {}
     for name in files:
         try:
             with safe_open(os.path.join(path, name), "pt") as f:
-                for k in f.keys():
-                    if not skip(k):
-                        out[k] = f.get_tensor(k)
-        except CheckpointError:
-            raise
+                part = {k: f.get_tensor(k) for k in f.keys() if not skip(k)}
         except Exception as exc:  # corrupt or truncated file
             raise CheckpointError(f"checkpoint file {os.path.join(path, name)!r} cannot be read ({exc}); it is corrupt — re-save it.") from None
-    return out
+        yield part
 
 
 def _is_vision(k: str) -> bool:
@@ -501,10 +522,138 @@ def check_vision_source(path: str | None):
                               "give the checkpoint folder to copy the vision tower from, or leave it out.")
 
 
-def export_hf(model: LongCtxModel, path: str, vision_from: str | None = None, force: bool = False):
+# transformers' save_pretrained shards at 50GB since 5.0; hub releases (and transformers before 5.0) at 5GB,
+# which keeps every file well under the hub's 50GB upload limit and lets downloads run in parallel.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def shard_bytes(size: int | str) -> int:
+    """A shard size as transformers' `max_shard_size` takes it (bytes, or "5GB" with KB/MB/GB/TB powers of
+    1000; KiB/MiB/GiB/TiB are powers of 1024) -> bytes, at least 1."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", str(size), re.I)
+        if m is None or m.group(2).upper() not in _SIZE_UNITS:
+            raise ConfigError(f"max_shard_size {size!r} is not a size; give bytes or a number with a unit, "
+                              "for example 5GB or 500MiB.")
+        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+    if n < 1:
+        raise ConfigError(f"max_shard_size {size!r} is below one byte; give a size such as 5GB.")
+    return n
+
+
+class _ShardWriter:
+    """Hub tensors, in the order given, into safetensors files of at most `limit` bytes each, grouped as
+    transformers groups them (huggingface_hub's `split_torch_state_dict_into_shards`): a tensor that
+    would take the file being filled past the limit starts the next one, and a tensor larger than the
+    limit is a file of its own, numbered before the one being filled. A file is written as soon as it
+    is complete, so only its tensors are held; it has a provisional name until `finish` knows how many
+    there are: one is `model.safetensors` (no index, as transformers writes it), N are
+    `model-0000k-of-0000N.safetensors` with `model.safetensors.index.json`."""
+
+    def __init__(self, folder: str, limit: int):
+        self.folder, self.limit = folder, limit
+        self.filling: dict[str, torch.Tensor] = {}
+        self.filling_bytes = 0
+        self.files: list[list[str]] = []  # the tensor names of each file written, in file order
+        self.total = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]):
+        for name, t in tensors.items():
+            n = t.numel() * t.element_size()
+            self.total += n
+            if n > self.limit:
+                self._write({name: t})
+                continue
+            if self.filling and self.filling_bytes + n > self.limit:
+                self._write(self.filling)
+                self.filling, self.filling_bytes = {}, 0
+            self.filling[name] = t
+            self.filling_bytes += n
+
+    def _write(self, tensors: dict[str, torch.Tensor]):
+        save_file(tensors, self._provisional(len(self.files)), metadata={"format": "pt"})
+        self.files.append(list(tensors))
+
+    def _provisional(self, i: int) -> str:
+        return os.path.join(self.folder, f".shard-{i}.safetensors")
+
+    def finish(self):
+        if self.filling or not self.files:
+            self._write(self.filling)
+            self.filling = {}
+        n = len(self.files)
+        if n == 1:
+            os.rename(self._provisional(0), os.path.join(self.folder, "model.safetensors"))
+            return
+        weight_map = {}
+        for i, names in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(self._provisional(i), os.path.join(self.folder, final))
+            weight_map.update(dict.fromkeys(names, final))
+        with open(os.path.join(self.folder, "model.safetensors.index.json"), "w") as f:
+            f.write(json.dumps({"metadata": {"total_size": self.total}, "weight_map": weight_map},
+                               indent=2, sort_keys=True) + "\n")
+
+
+def hf_config(cfg: ModelConfig, vision_from: str | None = None) -> dict:
+    """The config.json of an export: our text config, and the vision config of `vision_from` (a GLM-5.3-Flash
+    folder) or, without one, a minimal vision tower that transformers initialises itself."""
+    config = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+              "text_config": config_to_hf(cfg), "tie_word_embeddings": cfg.tie_word_embeddings}
+    if vision_from:
+        with open(os.path.join(vision_from, "config.json")) as f:
+            src = json.load(f)
+        for k, v in src.items():
+            if k not in ("text_config", "architectures", "model_type", "tie_word_embeddings"):
+                config[k] = v
+    else:
+        config["vision_config"] = {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32,
+                                   "out_hidden_size": cfg.hidden_size, "projection_intermediate_size": 32}
+    return config
+
+
+def write_hf(path: str, cfg: ModelConfig, pieces, vision_from: str | None = None, force: bool = False,
+             max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE):
+    """Write a model given as `pieces` (an iterable of dicts of our tensors, e.g. one layer each: see
+    `export_pieces`) in the GLM-5.3-Flash hub layout, converting and writing each piece before the next
+    is asked for: what is held at once is one piece and the file being filled (`_ShardWriter`). The
+    vision tensors of `vision_from` follow, a file at a time. Target, vision source and atomic folder
+    as in `export_hf`."""
+    check_export_target(path, force)
+    check_vision_source(vision_from)
+    limit = shard_bytes(max_shard_size)
+    config = hf_config(cfg, vision_from)
+
+    def write(tmp):
+        shards = _ShardWriter(tmp, limit)
+        for piece in pieces:
+            shards.add(state_dict_to_hf(piece, cfg))
+            del piece  # before the next piece is read: the loop would hold this one until then
+        if vision_from:
+            for part in _safetensors_files(vision_from, skip=lambda k: not _is_vision(k)):
+                shards.add(part)
+                del part
+        shards.finish()
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+
+    _write_dir(path, write, force)
+
+
+def export_hf(model: LongCtxModel, path: str, vision_from: str | None = None, force: bool = False,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE):
     """Write `model` in the GLM-5.3-Flash hub layout. transformers 5.24 loads the folder with
     `AutoModelForImageTextToText.from_pretrained(path)` (or `Glm5NextForConditionalGeneration` itself);
     `AutoModelForCausalLM` does not, as transformers maps `glm5_next` to no causal-LM class.
+
+    The weights are safetensors of at most `max_shard_size` each (bytes, or e.g. "5GB"): one
+    `model.safetensors` when they fit, else numbered files and `model.safetensors.index.json`, as
+    transformers' `save_pretrained` writes them. A checkpoint too large for one process is exported by
+    `longctx.distributed.export.export_checkpoint`, a layer at a time, into the same layout.
 
     Vision tensors and config are copied from `vision_from` (default: the directory the model was
     loaded from, if any); without one, a minimal vision config is written and transformers initialises
@@ -513,30 +662,12 @@ def export_hf(model: LongCtxModel, path: str, vision_from: str | None = None, fo
     next to `path` that is renamed into place once complete, so nothing else there is touched."""
     check_export_target(path, force)
     check_vision_source(vision_from)
-    vision_from = vision_from or getattr(model, "hf_source", None)
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
-    hf = state_dict_to_hf(sd, model.cfg)
-    config = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
-              "text_config": config_to_hf(model.cfg), "tie_word_embeddings": model.cfg.tie_word_embeddings}
-    if vision_from:
-        with open(os.path.join(vision_from, "config.json")) as f:
-            src = json.load(f)
-        for k, v in src.items():
-            if k not in ("text_config", "architectures", "model_type", "tie_word_embeddings"):
-                config[k] = v
-        hf.update(_read_safetensors(vision_from, skip=lambda k: not _is_vision(k)))
-    else:
-        config["vision_config"] = {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32,
-                                   "out_hidden_size": model.cfg.hidden_size, "projection_intermediate_size": 32}
-
-    def write(tmp):
-        save_file(hf, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-
-    _write_dir(path, write, force)
+    pieces = ({n: sd[n] for n in names} for names in export_pieces(sd, model.cfg.num_layers))
+    write_hf(path, model.cfg, pieces, vision_from=vision_from or getattr(model, "hf_source", None), force=force,
+             max_shard_size=max_shard_size)
 
 
 def _write_dir(path: str, write, force: bool):
