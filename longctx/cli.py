@@ -301,14 +301,33 @@ def _fit_json(r: dict) -> dict:
 
 
 def _export(a) -> int:
-    from .hf_interop import check_export_target, check_vision_source, export_hf
+    from .distributed.export import export_checkpoint
+    from .errors import CheckpointError
+    from .hf_interop import check_export_target, check_vision_source
 
-    check_export_target(a.out, a.force)  # before the (slow) load: a refused target fails at once
+    check_export_target(a.out, a.force)  # before the checkpoint is opened: a refused target fails at once
     check_vision_source(a.vision_from)
-    model, _ = _load_model(a.checkpoint, "cpu")
-    export_hf(model, a.out, vision_from=a.vision_from, force=a.force)
+    if not os.path.exists(a.checkpoint):
+        raise CheckpointError(f"--checkpoint {a.checkpoint!r} does not exist; pass a run directory or a checkpoint folder.")
+    # a layer at a time: no process holds the model, whatever its size (docs/design/expert_parallel.md)
+    export_checkpoint(a.checkpoint, a.out, vision_from=a.vision_from, force=a.force, max_shard_size=a.max_shard_size)
     print(f"wrote {a.out}")
     return 0
+
+
+def _size_arg(flag: str, example: str):
+    """An argparse type: a size in bytes, or a number with a unit (5GB, 500MiB), as transformers takes it."""
+    def parse(text: str) -> int:
+        from .errors import ConfigError
+        from .hf_interop import shard_bytes
+
+        try:
+            return shard_bytes(text)
+        except ConfigError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a size of at least one byte (got {text!r}); "
+                                             f"for example {flag} {example}.") from None
+
+    return parse
 
 
 class _Parser(argparse.ArgumentParser):
@@ -479,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--vision-from", help="a GLM-5.3-Flash directory to copy the vision tower from")
     x.add_argument("--force", action="store_true",
                    help="replace --out even when it is a file or a folder that is not empty (it is refused otherwise)")
+    x.add_argument("--max-shard-size", type=_size_arg("--max-shard-size", "5GB"), default="5GB",
+                   help="the largest safetensors file, in bytes or with a unit (default 5GB); a larger model is "
+                        "several files and model.safetensors.index.json, as transformers writes them")
     x.set_defaults(fn=_export)
     return p
 
