@@ -1,12 +1,20 @@
 """Benchmark: Triton DSA sparse attention (fwd, bwd) vs dense causal SDPA, one GPU.
 
     python bench/sparse_attention.py --out DIR [--quick] [--seqlens 32768,131072] [--heads 16,64] [--sweep]
+    python bench/sparse_attention.py --out DIR --union-only     # today's kernel (G = 1) vs the union mode
 
 Sparse problem: q [1,S,H,512] bf16, kv [1,S,512], K=2051 DSA-like causal indices (512 pools of 4
 earlier tokens + the visible tail). TFLOP/s use the nominal count 2*K*H*(512+512) per query for the
 forward (slots that are -1 in the first 2k queries are counted too: <1% of queries at 32k) and 2.5x
 that for the backward. Dense comparison (the SPEC's): causal SDPA, H heads of 128 for qk and v, fwd+bwd.
-Writes DIR/sparse_attention.json.
+Union mode (`--union` / `--union-only`, longctx/ops/sparse_attention/union.py): today's per-query kernel
+(G = 1) against G neighbouring queries over the union of their selections, at H = 16 and 64, S = 32k and
+128k, on three workloads: `random` (causal_pool_indices: independent older pools), `indexer` (the k-pool
+indexer of a random-init h200-ref DSA layer on embedded stdlib text) and `trained_like`
+(persistent_pool_indices with the redraw rate fitted to a trained small model's selections,
+bench/results/union_size.json). Each row records U_G/k, the cost model's G and its prediction, and the
+measured build, fwd and bwd ms of every G timed. Writes DIR/sparse_attention.json (or
+DIR/sparse_attention_union.json with --union-only).
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 from timing import env_record, timed, write_results
 
 from longctx.ops.sparse_attention import triton as tk
-from longctx.ops.sparse_attention.naive import causal_pool_indices
+from longctx.ops.sparse_attention import union as un
+from longctx.ops.sparse_attention.naive import causal_pool_indices, persistent_pool_indices
 
 D, K = 512, 2051
 GIB = 1 << 30
@@ -52,6 +61,117 @@ def sparse_case(S, H, warmup, reps, do_bwd=True, cfg_f=None, cfg_b=None):
         out["bwd_kernel"] = dict(tk.LAST_LAUNCH.get("bwd", {}))
         out["fwd_bwd_ms"] = out["fwd_ms"] + out["bwd_ms"]
     return out
+
+
+DEV = "cuda"  # the union comparison's device ("cpu" under TRITON_INTERPRET=1 for a smoke run)
+TRAINED_LIKE_REDRAW = 0.1  # used when bench/results/union_size.json is missing
+
+
+def trained_like_redraw() -> float:
+    """The redraw rate whose U_4/k matches the trained small model's (bench/union_size.py's fit)."""
+    import json
+
+    f = ROOT / "bench" / "results" / "union_size.json"
+    try:
+        return float(json.loads(f.read_text())["trained_like_fit"]["redraw"])
+    except (OSError, KeyError, ValueError):
+        return TRAINED_LIKE_REDRAW
+
+
+def indexer_selection(S: int, seed: int = 0) -> torch.Tensor:
+    """int32 [1, S, 2051]: the k-pool indexer of a random-init h200-ref DSA layer (bf16, the Triton path) on
+    stdlib text, its bytes through a random-init embedding and the block's RMSNorm."""
+    from longctx.config.model import preset
+    from longctx.data.sources import stdlib_corpus
+    from longctx.layers.dsa import SparseMLA
+    from longctx.layers.norms import RMSNorm
+
+    cfg = preset("h200-ref")
+    torch.manual_seed(seed)
+    layer = SparseMLA(cfg, cfg.layer_kinds().index("D"))
+    for m in layer.modules():  # the model's init (LongCtxModel.init_weights)
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.normal_(m.weight, 0.0, cfg.init_std)
+    layer = layer.to(DEV, torch.bfloat16)
+    _, held = stdlib_corpus()
+    data = torch.frombuffer(bytearray("".join(d.text for d in held).encode()), dtype=torch.uint8)
+    ids = data[torch.arange(S) % data.numel()].long().to(DEV)
+    emb = torch.randn(256, cfg.hidden_size, device=DEV) * cfg.init_std
+    x = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(DEV)(emb[ids][None]).bfloat16()
+    with torch.no_grad():
+        q_latent = layer.q_a_norm(layer.q_a_proj(x))
+        return layer.indexer.select(x, q_latent)
+
+
+def union_case(S, H, idx, groups, warmup, reps):
+    """Today's kernel (G = 1) and each union G in `groups` on one selection: ms of build/fwd/bwd, U_G/k
+    (exact, from the built union) and the model's choice (from its sampled estimate) and prediction."""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q = torch.randn(1, S, H, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(1, S, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    do = torch.randn(1, S, H, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    scale = D**-0.5
+    k = float(((idx >= 0) & (idx < S)).sum()) / S
+    sampled = un.union_sizes(idx, S)
+    out = {"k_mean": k, "sampled_ratio": sampled,
+           "choose_ms": timed(lambda: un.resolve_group(idx, H, S, "auto"), 1, 3, DEV),
+           "chosen_G": un.resolve_group(idx, H, S, "auto"), "variants": {}}
+    o1, lse1 = tk.sparse_attention_fwd(q, kv, idx, scale, group=1)
+    base = {"fwd_ms": timed(lambda: tk.sparse_attention_fwd(q, kv, idx, scale, group=1), warmup, reps, DEV),
+            "bwd_ms": timed(lambda: tk.sparse_attention_bwd(q, kv, idx, o1, lse1, do, scale, group=1), warmup, reps, DEV)}
+    base["total_ms"] = base["fwd_ms"] + base["bwd_ms"]
+    base["predicted_ms"] = un.predicted_ns_per_query(1, H, 1.0, k) * S / 1e6
+    out["variants"]["1"] = base
+    dq1, dkv1 = tk.sparse_attention_bwd(q, kv, idx, o1, lse1, do, scale, group=1)
+    for G in groups:
+        u = un.build_union(idx, G, S)
+        ratio = float(u.length.sum()) * G / (k * S)
+        r = {"ratio": ratio, "U_max": u.packed.shape[2],
+             "build_ms": timed(lambda: un.build_union(idx, G, S), warmup, reps, DEV)}
+        o, lse = tk.union_attention_fwd(q, kv, u, scale)
+        r["fwd_ms"] = timed(lambda: tk.union_attention_fwd(q, kv, u, scale), warmup, reps, DEV)
+        r["fwd_kernel"] = dict(tk.LAST_LAUNCH.get("fwd", {}))
+        r["bwd_ms"] = timed(lambda: tk.union_attention_bwd(q, kv, u, o, lse, do, scale), warmup, reps, DEV)
+        r["bwd_kernel"] = dict(tk.LAST_LAUNCH.get("bwd", {}))
+        dq, dkv = tk.union_attention_bwd(q, kv, u, o, lse, do, scale)
+        rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+        r["rel_vs_G1"] = {"o": rel(o, o1), "dq": rel(dq, dq1), "dkv": rel(dkv, dkv1)}
+        r["total_ms"] = r["build_ms"] + r["fwd_ms"] + r["bwd_ms"]
+        r["speedup"] = base["total_ms"] / r["total_ms"]
+        r["predicted_ms"] = un.predicted_ns_per_query(G, H, ratio, k) * S / 1e6
+        out["variants"][str(G)] = r
+        del u, o, lse, dq, dkv
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def union_comparison(seqlens, heads, warmup, reps) -> list:
+    rows = []
+    redraw = trained_like_redraw()
+    for S in seqlens:
+        g = torch.Generator(device=DEV).manual_seed(0)
+        work = {"random": causal_pool_indices(S, K, generator=g)[None],
+                "indexer": indexer_selection(S),
+                "trained_like": persistent_pool_indices(S, K, redraw, generator=g)[None]}
+        for H in heads:
+            for name, idx in work.items():
+                # the union Gs worth timing: every G of <= 64 rows at 16 heads; at 64 heads G = 2 (two programs
+                # a group, the model says slower) only at the first length
+                groups = [G for G in (2, 4) if G * H <= 64] if H <= 32 else ([2] if S == seqlens[0] else [])
+                print(f"union S={S} H={H} {name} G={groups} ...", flush=True)
+                r = {"S": S, "H": H, "workload": name, **({"redraw": redraw} if name == "trained_like" else {}),
+                     **union_case(S, H, idx, groups, warmup, reps)}
+                chosen = r["variants"].get(str(r["chosen_G"]))
+                if chosen is not None:
+                    r["chosen_total_ms"] = chosen["total_ms"]
+                    r["chosen_speedup"] = r["variants"]["1"]["total_ms"] / chosen["total_ms"]
+                print(f"  {r}", flush=True)
+                rows.append(r)
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+        del work
+    return rows
 
 
 def dense_case(S, H, warmup, reps):
@@ -99,7 +219,17 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time tile configs at the first S")
     ap.add_argument("--sweep-only", default=None, metavar="H:WHICH,...",
                     help="with --sweep, only these rows of the grid, e.g. 16:bwd (default: all)")
+    ap.add_argument("--union", action="store_true", help="also compare today's kernel with the union mode")
+    ap.add_argument("--union-only", action="store_true", help="only the union comparison (S=32k,128k; H=16,64)")
+    ap.add_argument("--union-seqlens", default="32768,131072")
     args = ap.parse_args()
+    if args.union_only:
+        res = {**env_record(), "D": D, "K": K, "cost_model": {"fwd_ns": un.COST_FWD, "bwd_ns": un.COST_BWD,
+                                                              "build_ns": un.COST_BUILD, "margin": un.MARGIN}}
+        res["union"] = union_comparison([int(s) for s in args.union_seqlens.split(",")],
+                                        [int(h) for h in args.heads.split(",")], 1, 3)
+        write_results(args.out, "sparse_attention_union.json", res)
+        return
 
     seqlens = [32768] if args.quick else [int(s) for s in args.seqlens.split(",")]
     if args.max_seqlen:
@@ -160,6 +290,8 @@ def main():
                 print(f"sweep H={H} {which} {c}: {r}", flush=True)
                 res["sweep"].append({"H": H, "which": which, "cfg": c, **r})
 
+    if args.union:
+        res["union"] = union_comparison([int(s) for s in args.union_seqlens.split(",")], heads, 1, 3)
     write_results(args.out, "sparse_attention.json", res)
 
 

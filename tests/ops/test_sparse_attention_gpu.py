@@ -127,7 +127,7 @@ def test_kept_attention_backward(B, S, H):
     [
         (1, 2301, 16, 4, 0.1),  # h200-ref's heads, 64 rows a program, partial last group
         (1, 2301, 16, 2, 0.1),  # 32 rows
-        (2, 333, 8, 8, 0.3),  # 64 rows of 8 queries, every query with -1 padding, two sequences
+        (2, 333, 16, 4, 0.3),  # every query with -1 padding, two sequences
         (1, 700, 64, 2, 0.1),  # 128 rows: two programs per group
     ],
 )
