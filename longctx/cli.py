@@ -1,4 +1,4 @@
-"""`longctx` command line: train, eval, generate, estimate, export.
+"""`longctx` command line: train, sft, rl, eval, generate, estimate, export.
 
 A mistake in what the user asked for (a `UserError`) prints one line `error: ...` and exits 2;
 SIGINT (Ctrl-C) or SIGTERM during training finishes the step in flight, saves a checkpoint, prints
@@ -50,6 +50,12 @@ def _train(a) -> int:
 def _sft(a) -> int:
     """`longctx sft ...` is `longctx train --set task=sft ...` (the SFT settings: docs/design/post_training.md)."""
     a.set = [*(a.set or []), "task=sft"]
+    return _train(a)
+
+
+def _rl(a) -> int:
+    """`longctx rl ...` is `longctx train --set task=rl ...` (the RL settings: docs/design/post_training.md)."""
+    a.set = [*(a.set or []), "task=rl"]
     return _train(a)
 
 
@@ -442,6 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "the embedded long-context retrieval task)")
     _train_arguments(f)
     f.set_defaults(fn=_sft)
+
+    r = sub.add_parser("rl", help="reinforcement learning with group-relative advantages: `train` with task = rl (no "
+                       "arguments: rollouts of the embedded retrieval task, rewarded by exact match)")
+    _train_arguments(r)
+    r.set_defaults(fn=_rl)
 
     g = sub.add_parser("generate", help="sample from a checkpoint through the decode path")
     g.add_argument("--checkpoint", required=True)

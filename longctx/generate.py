@@ -2,11 +2,48 @@
 
 The prompt is prefilled once; each new token then costs one step per layer (O(1) state for KDA,
 O(#pools) indexer scoring and top-k attention for DSA) — nothing of the prefix is recomputed.
+
+`generate` continues one prompt (the `longctx generate` command). `sample` is the batched sampler
+of RL's rollouts: n completions of each prompt decoded as one batch (the prompt prefilled once, its
+caches copied to the n rows), with temperature, top-k and top-p, stop tokens and stop strings, a
+seed, and for every sampled token its log-probability under the model's own log-softmax at
+temperature 1 — the policy's log-probability, which a policy-gradient ratio compares with the
+trainer's. Rows that finish leave the batch (their cache rows are dropped), so a group whose
+answers are short does not pay for its longest one on every row.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
 import torch
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None = None, top_p: float = 1.0,
+                  vocab_limit: int | None = None) -> torch.Tensor:
+    """[..., vocab] logits -> float64 log-weights to sample from: scaled by 1/temperature (> 0), ids at
+    and above `vocab_limit` and outside the top-k / the top-p nucleus set to -inf. The nucleus is the
+    smallest set of the likeliest ids whose probability (after temperature and top-k) reaches top_p;
+    the likeliest id is always kept."""
+    # float64 with the top logit at 0: any temperature > 0 scales without overflow or a 0 divisor
+    # (float32 would round 1e-320 to 0)
+    lg = logits.double()
+    if vocab_limit is not None and vocab_limit < lg.shape[-1]:
+        lg = lg.clone()
+        lg[..., vocab_limit:] = float("-inf")
+    lg = (lg - lg.amax(-1, keepdim=True)) / temperature
+    if top_k:
+        kth = lg.topk(min(top_k, lg.shape[-1]), dim=-1).values[..., -1:]
+        lg = lg.masked_fill(lg < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_lg, order = lg.sort(-1, descending=True)
+        probs = torch.softmax(sorted_lg, -1)
+        before = probs.cumsum(-1) - probs  # the mass of the likelier ids: keep an id while that is below top_p
+        drop = before >= top_p
+        drop[..., 0] = False
+        lg = lg.scatter(-1, order, sorted_lg.masked_fill(drop, float("-inf")))
+    return lg
 
 
 @torch.no_grad()
@@ -23,23 +60,132 @@ def generate(model, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: 
     logits = model.lm_head(model.hidden(prompt_ids, caches=caches)[:, -1])
     out = [prompt_ids]
     for _ in range(max_new_tokens):
-        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
-            logits = logits.clone()
-            logits[..., vocab_limit:] = float("-inf")
-        if temperature <= 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            # float64 with the top logit at 0: any temperature > 0 scales without overflow or a 0 divisor
-            # (float32 would round 1e-320 to 0)
-            lg = logits.double()
-            lg = (lg - lg.amax(-1, keepdim=True)) / temperature
-            if top_k:
-                kth = lg.topk(min(top_k, lg.shape[-1]), dim=-1).values[..., -1:]
-                lg = lg.masked_fill(lg < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(lg, -1), 1, generator=g)
-        out.append(nxt)
-        logits = model(nxt, caches=caches).logits[:, -1]
+        out.append(_draw(logits, temperature, top_k, 1.0, vocab_limit, g))
+        logits = model(out[-1], caches=caches).logits[:, -1]
     return torch.cat(out, 1)
+
+
+def _draw(logits, temperature, top_k, top_p, vocab_limit, g) -> torch.Tensor:
+    """One id per row [rows, 1]: the argmax at temperature 0, else a draw from the filtered weights."""
+    if temperature <= 0:
+        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+            logits = logits[..., :vocab_limit]
+        return logits.argmax(-1, keepdim=True)
+    lg = filter_logits(logits, temperature, top_k, top_p, vocab_limit)
+    return torch.multinomial(torch.softmax(lg, -1), 1, generator=g)
+
+
+# ---------------------------------------------------------------------- batched sampling
+@dataclass
+class Completion:
+    tokens: list[int]      # what was sampled, the stop token or the token that completed a stop string included
+    logprobs: list[float]  # log p(token) under the model's log-softmax at temperature 1, one per token
+    finish: str            # "stop" (a stop id), "stop_string" or "length" (max_new_tokens reached)
+    text: str | None       # decode(tokens) without a stop id, cut before a stop string; None without `decode`
+
+
+def _batch_map(obj, fn):
+    """Apply fn to every tensor of a decoding cache (each is batch-first: the KDA state's conv and
+    recurrent tensors, the DSA latent rows, the indexer's pooled keys and raw rows), in place. The
+    caches are plain objects of the layers (KDAState, DSACache, GrowBuffer, IndexerCache); walking
+    their fields keeps this file free of a per-class list that a new cache field would silently miss."""
+    if isinstance(obj, (list, tuple)):
+        for x in obj:
+            _batch_map(x, fn)
+        return
+    names = getattr(type(obj), "__slots__", None) or list(vars(obj))
+    for name in names:
+        v = getattr(obj, name, None)
+        if isinstance(v, torch.Tensor):
+            setattr(obj, name, fn(v))
+        elif type(v).__module__.startswith("longctx."):
+            _batch_map(v, fn)
+
+
+def _rows(caches, index: torch.Tensor) -> None:
+    """Keep the cache rows `index` (in that order): copies a prompt's row n times, or drops finished rows."""
+    _batch_map(caches, lambda t: t.index_select(0, index))
+
+
+@torch.no_grad()
+def sample(model, prompts: Sequence, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
+           top_p: float = 1.0, top_k: int | None = None, stop_ids: Sequence[int] = (),
+           stop_strings: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
+           seed: int = 0, vocab_limit: int | None = None, cache_dtype: torch.dtype | None = None) -> list[list[Completion]]:
+    """n completions of each prompt (1-D token ids), decoded as one batch per prompt through the caches.
+
+    temperature 0 is greedy (every row the same). A completion ends at a stop id (kept as its last
+    token: the policy chose to stop), when `decode` of its tokens contains a stop string (tokens up to
+    the one that completed it are kept; `text` is cut before it), or after max_new_tokens. The draws
+    come from one generator seeded with `seed`, prompt after prompt, so a call is reproducible.
+    Returns one list of n Completions per prompt. The model runs as it is called (eval mode; under
+    the caller's autocast, when there is one: `cache_dtype` is then the compute dtype)."""
+    if stop_strings and decode is None:
+        raise ValueError("stop strings need a decode function to read the completions")
+    model.eval()
+    dev = model.embed.weight.device
+    g = torch.Generator(device=dev).manual_seed(int(seed))
+    stops = set(int(s) for s in stop_ids)
+    # enough trailing tokens to hold any stop string (a token decodes to at least one byte, mostly)
+    tail = max((len(s.encode("utf-8")) for s in stop_strings), default=0) + 2
+    out = []
+    for prompt in prompts:
+        ids = torch.as_tensor(prompt, dtype=torch.long, device=dev).reshape(1, -1)
+        caches = model.init_caches(1, device=dev, dtype=cache_dtype)
+        logits = model.lm_head(model.hidden(ids, caches=caches)[:, -1]).float()
+        live = torch.zeros(n, dtype=torch.long, device=dev)  # each live row's prompt row (all 0): the copies
+        _rows(caches, live)
+        logits = logits.expand(n, -1)
+        rows = list(range(n))  # the completion each live cache row belongs to
+        toks: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        cut: list[int | None] = [None] * n  # where a stop string begins in the text
+        for t in range(max_new_tokens):
+            nxt = _draw(logits, temperature, top_k, top_p, vocab_limit, g)
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, nxt).squeeze(-1)
+            keep = []
+            for j, (r, tok, p) in enumerate(zip(rows, nxt.squeeze(-1).tolist(), lp.tolist())):
+                toks[r].append(tok)
+                lps[r].append(p)
+                if tok in stops:
+                    finish[r] = "stop"
+                elif stop_strings:
+                    at = _stop_at(decode, toks[r], stop_strings, tail)
+                    if at is not None:
+                        finish[r], cut[r] = "stop_string", at
+                if finish[r] is None and t == max_new_tokens - 1:
+                    finish[r] = "length"
+                if finish[r] is None:
+                    keep.append(j)
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                index = torch.as_tensor(keep, device=dev)
+                _rows(caches, index)
+                nxt = nxt.index_select(0, index)
+                rows = [rows[j] for j in keep]
+            logits = model(nxt, caches=caches).logits[:, -1].float()
+        group = []
+        for r in range(n):
+            text = None
+            if decode is not None:
+                body = toks[r][:-1] if finish[r] == "stop" else toks[r]
+                text = decode(body)
+                if cut[r] is not None:
+                    text = text[:cut[r]]
+            group.append(Completion(toks[r], lps[r], finish[r] or "length", text))
+        out.append(group)
+    return out
+
+
+def _stop_at(decode, tokens: list[int], stop_strings: Sequence[str], tail: int) -> int | None:
+    """Where the first stop string begins in decode(tokens), when one ends in the newest tokens."""
+    recent = decode(tokens[-tail:])
+    if not any(s in recent for s in stop_strings):
+        return None
+    text = decode(tokens)
+    return min(i for s in stop_strings if (i := text.find(s)) >= 0)
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from .model import PRESETS as MODEL_PRESETS, ModelConfig
 from .parallel import ParallelConfig
-from .train import DataConfig, SFTConfig, Stage, TrainConfig, _check_keys, _short, base_config
+from .train import DataConfig, RLConfig, SFTConfig, Stage, TrainConfig, _check_keys, _short, base_config
 
 
 def load_train_config(config_file: str | None = None, preset: str | None = None, sets: list[str] | tuple = ()) -> TrainConfig:
@@ -170,8 +170,9 @@ def _field_type(parts: list[str]):
             return None
         if i == len(parts) - 1:
             return hints[parts[i]]
-        if cls is TrainConfig and parts[i] in ("model", "data", "parallel", "sft"):
-            cls, i = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig, "sft": SFTConfig}[parts[i]], i + 1
+        if cls is TrainConfig and parts[i] in ("model", "data", "parallel", "sft", "rl"):
+            cls, i = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig, "sft": SFTConfig,
+                      "rl": RLConfig}[parts[i]], i + 1
         elif cls is TrainConfig and parts[i] == "stages" and parts[i + 1].isdigit() and i + 2 < len(parts):
             cls, i = Stage, i + 2
         elif cls is DataConfig and parts[i] == "sources" and i + 2 == len(parts):
@@ -241,9 +242,9 @@ def to_toml(cfg: TrainConfig) -> str:
     lines = [f"# longctx training config: {cfg.summary()}"]
     if cfg.vocab_note:
         lines.append(f"# {cfg.vocab_note}")
-    tables = ("model", "data", "sft", "kernels", "parallel", "stages")
+    tables = ("model", "data", "sft", "rl", "kernels", "parallel", "stages")
     lines += _toml_items({k: v for k, v in d.items() if k not in tables})
-    for t in ("model", "data", "sft", "kernels", "parallel"):
+    for t in ("model", "data", "sft", "rl", "kernels", "parallel"):
         lines += ["", f"[{t}]", *_toml_items(d[t])]
     for s in d["stages"]:
         lines += ["", "[[stages]]", *_toml_items(s)]

@@ -23,7 +23,8 @@ from ..errors import ConfigError, did_you_mean
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("cosine", "linear", "constant")
-TASKS = ("pretrain", "sft")
+TASKS = ("pretrain", "sft", "rl")
+OLD_LOGPROBS = ("trainer", "rollout")  # what an RL update's ratio divides by (RLConfig.old_logprobs)
 KINDS = ("signature", "returns", "file")  # the embedded retrieval task's questions (data/retrieval_task.py)
 MAIN_SOURCE = "main"  # the name of data.path inside a stage's data_mix
 
@@ -94,6 +95,42 @@ class SFTConfig:
     eval_examples: int = 16
 
 
+@dataclass
+class RLConfig:
+    """Reinforcement learning with group-relative advantages (task = "rl"; longctx.train.rl,
+    docs/design/post_training.md). A stage's batch_size is the prompts per step, each sampled `group`
+    times; the task, the template and the held-out evaluation are the `sft` settings'.
+
+    reward: "module:function" or "path/to/file.py:function", called as f(completion, answer) -> float.
+    Advantages: (r - group mean) / (group std + 1e-4). Loss: the PPO-clipped ratio (`clip`), token
+    mean over the batch's completions, plus `kl_coef` x the k3 estimate of the KL to the frozen starting
+    policy (0: no reference model). `updates` optimizer steps per rollout batch; `old_logprobs` is what
+    the ratio divides by: "trainer" (the trainer's own log-probs before the batch's first update, so
+    that update's ratio is exactly 1) or "rollout" (the sampler's). Sampling: temperature (> 0),
+    top_p, top_k (0: all), max_new_tokens, stop strings (the template's stop token always stops).
+    rollouts: a .jsonl of rollouts from another engine, trained on instead of sampling. save_rollouts:
+    write each step's rollouts to OUT/rollouts.jsonl in that format. export_every: write the policy in
+    the transformers layout to OUT/policy every N steps (0: never). micro_batch: sequences per
+    forward and backward (0: all of a step's at once).
+    """
+
+    group: int = 4
+    reward: str = "longctx.data.retrieval_task:exact_match"
+    clip: float = 0.2
+    kl_coef: float = 0.0
+    updates: int = 1
+    old_logprobs: str = "trainer"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 96
+    stop: list[str] = field(default_factory=list)
+    rollouts: str | None = None
+    save_rollouts: bool = False
+    export_every: int = 0
+    micro_batch: int = 0
+
+
 def _demo_stages() -> list[Stage]:
     # The CPU demo: ~250k tokens, a few minutes on 2 cores with the "small" model (1024 -> 4096).
     return [
@@ -123,8 +160,9 @@ class TrainConfig:
     preset: str = "small"
     init_from: str | None = None  # a checkpoint to start from; None = random weights
     data: DataConfig = field(default_factory=DataConfig)
-    task: str = "pretrain"  # "sft": supervised fine-tuning on conversations (the `sft` settings)
+    task: str = "pretrain"  # "sft": supervised fine-tuning on conversations (the `sft` settings); "rl" (the `rl` settings)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)  # task = "rl": the RL settings
     stages: list[Stage] = field(default_factory=_demo_stages)
     seed: int = 0
     out_dir: str = "runs/demo"
@@ -170,6 +208,7 @@ class TrainConfig:
         self._validate_data()
         _choice("task", self.task, TASKS)
         self._validate_sft()
+        self._validate_rl()
         if not self.stages:
             raise ConfigError("stages is empty; give at least one stage with seq_len, steps and lr.")
         for i, s in enumerate(self.stages):
@@ -243,6 +282,41 @@ class TrainConfig:
             if isinstance(L, bool) or not isinstance(L, int) or L < 256:
                 raise ConfigError(f"sft.eval_lengths has {_short(L)}; give lengths in tokens, each >= 256.")
 
+    def _validate_rl(self) -> None:
+        r = self.rl
+        _check_types(r, "rl")
+        if r.group < 2:
+            raise ConfigError(f"rl.group must be >= 2 (got {_short(r.group)}); group-relative advantages compare "
+                              "several completions of one prompt, e.g. rl.group = 4.")
+        if not (_finite(r.clip) and r.clip > 0):
+            raise ConfigError(f"rl.clip must be a positive number (got {_short(r.clip)}); for example 0.2.")
+        _nonneg_float("rl.kl_coef", r.kl_coef)
+        _at_least("rl.updates", r.updates, 1)
+        _choice("rl.old_logprobs", r.old_logprobs, OLD_LOGPROBS)
+        if not (_finite(r.temperature) and r.temperature > 0):
+            raise ConfigError(f"rl.temperature must be a number > 0 (got {_short(r.temperature)}); RL samples its "
+                              "completions (greedy ones would all be alike), e.g. 1.0.")
+        if not (_finite(r.top_p) and 0 < r.top_p <= 1):
+            raise ConfigError(f"rl.top_p must be in (0, 1] (got {_short(r.top_p)}); 1.0 keeps every id.")
+        _at_least("rl.top_k", r.top_k, 0)
+        _at_least("rl.max_new_tokens", r.max_new_tokens, 1)
+        _at_least("rl.export_every", r.export_every, 0)
+        _at_least("rl.micro_batch", r.micro_batch, 0)
+        for x in r.stop:
+            if not isinstance(x, str) or not x:
+                raise ConfigError(f"rl.stop has {_short(x)}; give stop strings, each non-empty.")
+        module, sep, fn = r.reward.rpartition(":")
+        if not sep or not module.strip() or not fn.strip().isidentifier():
+            raise ConfigError(f"rl.reward {r.reward!r} is not MODULE:FUNCTION or FILE.py:FUNCTION; for example "
+                              "\"longctx.data.retrieval_task:exact_match\".")
+        if r.rollouts is not None:
+            if not r.rollouts.strip():
+                raise ConfigError("rl.rollouts is empty; set it to a .jsonl file of rollouts, or leave it unset to sample them.")
+            _check_path("rl.rollouts", r.rollouts)
+        if self.task == "rl" and self.data.path is not None and r.rollouts is None:
+            raise ConfigError("task = rl draws its prompts from the embedded retrieval task, or takes rollouts from "
+                              "rl.rollouts; unset data.path, or give the rollouts of your prompts in rl.rollouts.")
+
     def _validate_stage(self, s: Stage, where: str) -> None:
         if not isinstance(s, Stage):
             raise ConfigError(f"{where} must be a table with seq_len, steps and lr (got {type(s).__name__}).")
@@ -303,17 +377,22 @@ class TrainConfig:
             raise ConfigError(f"sft must be a table of SFT settings (got {type(sft_d).__name__}); e.g. [sft] questions = 4.")
         _no_unknown(sft_d, [f.name for f in dataclasses.fields(SFTConfig)], "sft.")
         sft = SFTConfig(**{**dataclasses.asdict(base.sft), **sft_d})
+        rl_d = d.get("rl", {})
+        if not isinstance(rl_d, dict):
+            raise ConfigError(f"rl must be a table of RL settings (got {type(rl_d).__name__}); e.g. [rl] group = 4.")
+        _no_unknown(rl_d, [f.name for f in dataclasses.fields(RLConfig)], "rl.")
+        rl = RLConfig(**{**dataclasses.asdict(base.rl), **rl_d})
         stages = base.stages if d.get("stages") is None else _stages_from(d["stages"])
         kernels_d = d.get("kernels", {})
         kernels = KernelConfig.from_dict({**base.kernels.to_dict(), **kernels_d} if isinstance(kernels_d, dict) else kernels_d)
         parallel_d = d.get("parallel", {})
         parallel = ParallelConfig.from_dict({**base.parallel.to_dict(), **parallel_d} if isinstance(parallel_d, dict)
                                             else parallel_d)
-        rest = {k: v for k, v in d.items() if k not in ("model", "data", "sft", "stages", "preset", "kernels", "parallel")}
+        rest = {k: v for k, v in d.items() if k not in ("model", "data", "sft", "rl", "stages", "preset", "kernels", "parallel")}
         note = None
         if name in MODEL_PRESETS and "vocab_size" not in model_d:
             model, note = _fit_vocab(model, name, data.tokenizer)
-        cfg = dataclasses.replace(base, preset=name, model=model, data=data, sft=sft, stages=stages, kernels=kernels,
+        cfg = dataclasses.replace(base, preset=name, model=model, data=data, sft=sft, rl=rl, stages=stages, kernels=kernels,
                                   parallel=parallel, **rest)
         cfg.vocab_note = note
         return cfg.validate()
@@ -323,6 +402,8 @@ class TrainConfig:
         st = " -> ".join(f"{s.seq_len} x {s.batch_size} for {s.steps} steps" for s in self.stages)
         if self.task == "sft":
             data = f"sft on {self.data.path or 'the embedded retrieval task'}"
+        elif self.task == "rl":
+            data = f"rl on {self.rl.rollouts or 'the embedded retrieval task'}"
         else:
             data = f"data {self.data.path or 'embedded stdlib corpus'}"
         return f"preset {self.preset}; {data} ({self.data.tokenizer}); stages {st}"
@@ -347,7 +428,19 @@ def _h200_curriculum() -> TrainConfig:
     )
 
 
-TRAIN_PRESETS = {"h200-curriculum": _h200_curriculum}
+def _rl_retrieval() -> TrainConfig:
+    # The CPU demonstration of RL: an SFT checkpoint of the small model (init_from) on the embedded task's
+    # haystacks of 512 to 1024 tokens, 2 prompts x 4 completions a step; about 15 minutes on 2 cores.
+    return TrainConfig(
+        model=model_preset("small"), preset="rl-retrieval", task="rl",
+        sft=SFTConfig(questions=4, min_len=512, eval_lengths=[512, 1024], eval_examples=16),
+        rl=RLConfig(group=4, temperature=1.0, max_new_tokens=80),
+        stages=[Stage(seq_len=1024, steps=40, lr=3e-4, batch_size=2, schedule="constant")],
+        out_dir="runs/rl", log_every=1,
+    )
+
+
+TRAIN_PRESETS = {"h200-curriculum": _h200_curriculum, "rl-retrieval": _rl_retrieval}
 
 
 def preset_names() -> list[str]:

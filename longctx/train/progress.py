@@ -39,7 +39,12 @@ def step_line(r: dict) -> str:
     eta = format_duration(r["eta_s"]) if r.get("eta_s") is not None else "-"
     est = f" (est {r['estimate_gib']:.1f})" if r.get("estimate_gib") is not None else ""
     bal = f" | moe {r['moe_max_over_mean']:.2f}" if r.get("moe_max_over_mean") else ""  # max/mean expert load
-    return (f"step {step} | loss {r['loss']:.4f} | {r['tokens_per_s']:,.0f} tok/s | eta {eta} | "
+    rl = ""  # task = rl: what its rollouts scored and how far the trainer's numbers are from the sampler's
+    if "reward" in r:
+        rl = (f" | reward {r['reward']:.3f} | len {r['length']:.1f} | clip {r['clip_frac']:.3f}"
+              + (f" | dlogp {r['logp_gap']:.1e}" if r.get("logp_gap") is not None else "")
+              + (f" | kl {r['kl']:.4f}" if r.get("kl") is not None else ""))
+    return (f"step {step} | loss {r['loss']:.4f}{rl} | {r['tokens_per_s']:,.0f} tok/s | eta {eta} | "
             f"peak {r['peak_gib']:.2f} GiB{est} | stage {r['stage']} seq {format_tokens(r['seq_len'])} | "
             f"gnorm {r['grad_norm']:.2f}{bal}")
 

@@ -81,7 +81,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device):
 
 # ---------------------------------------------------------------------- the run folder
 JOB_FILE = "torchrun_job"  # which torchrun job writes the run (see `Trainer._restarted`)
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "per_position_loss.png", "accuracy.png", JOB_FILE)
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "per_position_loss.png", "accuracy.png", JOB_FILE,
+             "reward.png", "rollouts.jsonl", "policy.json")  # the last three: task = rl's
 TB_DIR = "tb"  # TensorBoard's event files (events.out.tfevents.*)
 
 
@@ -271,8 +272,9 @@ def _pipe_safe(log):
 # stays as the run was started, so the resumed run continues the same training.
 # The parallel settings may change too: a checkpoint is read at any world size and cp degree, and the
 # losses do not depend on them (a stage's batch_size is the global batch).
-RESUMABLE = re.compile(r"stages\.\d+\.steps|log_every|eval_every|ckpt_every|parallel\.\w+")
-RESUMABLE_SAID = "stages.N.steps, eval_every, ckpt_every, log_every and parallel.*"
+# rl.rollouts too: an outside engine's loop gives each round's rollouts file to the run it resumes.
+RESUMABLE = re.compile(r"stages\.\d+\.steps|log_every|eval_every|ckpt_every|parallel\.\w+|rl\.rollouts")
+RESUMABLE_SAID = "stages.N.steps, eval_every, ckpt_every, log_every, parallel.* and rl.rollouts"
 _UNSET = object()
 
 
@@ -404,8 +406,14 @@ class Trainer:
                 f"({tok.vocab_size}); set model.vocab_size >= {tok.vocab_size}."
             )
         self.tokenizer = tok
-        self.sft = None  # task = "sft": its conversations, template and held-out scoring (train/sft.py)
-        if cfg.task == "sft":
+        self.sft = None  # task = "sft" (and "rl"): its conversations, template and held-out scoring (train/sft.py)
+        self.rl = None  # task = "rl": its rollouts, reward and step (train/rl.py); the evaluation is SFT's
+        if cfg.task == "rl":  # its reward function and rollouts file are checked before the task's files are read
+            from . import rl
+
+            rl.check_parallel(self.world)
+            self.rl = rl.RL(cfg, tok, log=log)
+        if cfg.task in ("sft", "rl"):
             from .sft import SFTData, check_parallel
 
             check_parallel(cfg, self.world)
@@ -414,6 +422,9 @@ class Trainer:
             self.train_tokens, self.eval_tokens, self.eval_set = self.sft.train_tokens, self.sft.eval_tokens, self.sft.eval_set
         else:
             self._pretraining_data(cfg, tok, quiet, log)
+        if self.rl is not None:
+            self.rl.bind(self.sft)
+            self.stream = self.rl.stream
         if cfg.init_from is None:
             self.model = LongCtxModel(cfg.model).to(self.device)
             self.kernels_planned = apply_kernels(self.model, cfg.kernels)  # {op: what runs}; raises what cannot run
@@ -442,6 +453,8 @@ class Trainer:
                 what = {"hf": "transformers layout", "ours": "longctx checkpoint", "dcp": "sharded longctx checkpoint"}
                 self.log(f"weights from {cfg.init_from} ({what[read.kind]}"
                          + (f"; {read.elements():,} values read by rank 0)" if read.reads else ")"))
+        if self.rl is not None:  # the KL's reference: the starting weights, before any resume loads others
+            self.rl.attach(self.model)
         self.opt = make_optimizer(self.model, cfg, self.device)
         self.step = 0
         self.before = None
@@ -712,6 +725,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train_step(self, stage, step_in_stage: int) -> dict:
+        if self.rl is not None:  # rollouts, rewards and the clipped policy-gradient updates (train/rl.py)
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            rec = self.rl.train_step(self, stage, lr_at(stage, step_in_stage))
+            rec["peak_gib"] = peak_memory_gib(self.device)
+            return rec
         model = self.model
         batch = self.stream.next_batch()
         x, y, cu = self._batch_inputs(batch)
@@ -854,7 +873,7 @@ class Trainer:
                                                  f"({self.world} processes)")
             self.log(f"model: {self.cfg.model.summary()} | {n['total'] / 1e6:.2f}M params ({n['active'] / 1e6:.2f}M active)"
                      + mesh + (f" | {self.cfg.vocab_note}" if self.cfg.vocab_note else ""))
-            data = self.sft.describe() if self.sft is not None else (
+            data = self.rl.describe() if self.rl is not None else self.sft.describe() if self.sft is not None else (
                 f"{len(self.train_tokens)} train docs ({sum(len(t) for t in self.train_tokens):,} tokens), "
                 f"{len(self.eval_tokens)} held-out docs")
             self.log(f"data: {data}; device {self.device}, dtype {str(self.dtype).replace('torch.', '')}")
@@ -913,6 +932,10 @@ class Trainer:
             if not self.quiet:
                 self.log("held-out exact match (before -> after):\n" + summary["accuracy_table"])
             accuracy_plot(self.history, self.before, after, os.path.join(self.out, "accuracy.png"))
+        if self.rl is not None:
+            from .rl import reward_plot
+
+            reward_plot(self.history, os.path.join(self.out, "reward.png"))
         with open(os.path.join(self.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         return summary

@@ -171,11 +171,11 @@ def test_bad_sft_settings_are_one_sentence(tmp_path, capsys):
     for sets, needle in [(["sft.kinds=[\"size\"]"], "sft.kinds has the unknown kind 'size'"),
                          (["sft.eval_lengths=[12]"], "sft.eval_lengths has 12"),
                          (["sft.questions=0"], "sft.questions must be >= 1"),
-                         (["task=rl"], "task must be one of pretrain, sft"),
+                         (["task=rlhf"], "task must be one of pretrain, sft, rl"),
                          (["sft.template=longctx", "data.tokenizer=byte", "sft.colour=1"], "unknown setting sft.colour")]:
         argv = ["sft", "--print-config"] + [x for s in sets for x in ("--set", s)]
-        if sets == ["task=rl"]:
-            argv = ["train", "--print-config", "--set", "task=rl"]
+        if sets == ["task=rlhf"]:
+            argv = ["train", "--print-config", "--set", "task=rlhf"]
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert needle in err and "\n" not in err, err
