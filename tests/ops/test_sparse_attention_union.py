@@ -90,8 +90,8 @@ def test_cost_model_choice():
     assert un.choose_group(16, {1: 1.0, 2: 1.3, 4: 2.5, 8: 4.0}) == 2
     assert un.choose_group(64, {1: 1.0, 2: 1.0, 4: 1.0}) == 1
     idx = torch.arange(8, dtype=torch.int32).expand(1, 64, 8).contiguous()
-    assert un.resolve_group(idx, 16, 100) == 4  # identical neighbours: U_G = k
-    assert un.resolve_group(idx, 64, 100) == 1
+    assert un.resolve_group(idx, 16, 100, group="auto") == 4  # identical neighbours: U_G = k
+    assert un.resolve_group(idx, 64, 100, group="auto") == 1
     assert un.resolve_group(idx, 16, 100, group=2) == 2
     assert un.resolve_group(idx, 16, 100, group="1") == 1
     with pytest.raises(ValueError, match="group"):
@@ -100,6 +100,8 @@ def test_cost_model_choice():
 
 def test_env_forces_group(monkeypatch):
     idx = torch.arange(8, dtype=torch.int32).expand(1, 64, 8).contiguous()
+    monkeypatch.delenv(un.ENV, raising=False)
+    assert un.resolve_group(idx, 16, 100) == 1  # opt-in until the GPU run (docs/design/sparse_attention.md)
     monkeypatch.setenv(un.ENV, "1")
     assert un.resolve_group(idx, 16, 100) == 1
     monkeypatch.setenv(un.ENV, "auto")
