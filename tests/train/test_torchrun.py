@@ -101,7 +101,9 @@ def test_two_processes_under_torchrun_equal_one(tmp_path, one_process, parallel,
     assert os.path.basename(ck) == "ckpt-000005" and {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ck))
 
     # the sharded checkpoint resumes: a run one step shorter, continued by --resume, takes the same last step
-    assert_resumes_to_the_last_step(tmp_path / "resumed", sets, b[-1]["loss"])
+    # (the KDA CP mode changes no checkpointed state, so its variant skips this)
+    if "parallel.kda_cp=chunk_state" not in parallel:
+        assert_resumes_to_the_last_step(tmp_path / "resumed", sets, b[-1]["loss"])
 
 
 def test_the_sequence_chunked_step_over_two_data_parallel_ranks_equals_one_process(tmp_path):
