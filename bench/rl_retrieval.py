@@ -47,6 +47,16 @@ def _commit() -> str:
         return "unknown"
 
 
+def _init_config(path: str) -> dict | None:
+    """What trained the starting checkpoint: its run's saved preset, stages, sft settings and seed."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            c = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    return {k: c.get(k) for k in ("preset", "task", "init_from", "stages", "sft", "seed")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--init", default="runs/sft", help="the SFT checkpoint (a run folder) to start from")
@@ -75,6 +85,7 @@ def main() -> int:
         "threads": torch.get_num_threads(),
         "config": cfg.summary(),
         "init_from": a.init,
+        "init_config": _init_config(a.init),
         "rl": cfg.to_dict()["rl"],
         "sft_task": {k: cfg.to_dict()["sft"][k] for k in ("questions", "kinds", "min_len", "eval_lengths", "eval_examples")},
         "stages": cfg.to_dict()["stages"],

@@ -118,11 +118,21 @@ def sample(model, prompts: Sequence, n: int = 1, max_new_tokens: int = 64, tempe
     token: the policy chose to stop), when `decode` of its tokens contains a stop string (tokens up to
     the one that completed it are kept; `text` is cut before it), or after max_new_tokens. The draws
     come from one generator seeded with `seed`, prompt after prompt, so a call is reproducible.
-    Returns one list of n Completions per prompt. The model runs as it is called (eval mode; under
-    the caller's autocast, when there is one: `cache_dtype` is then the compute dtype)."""
+    Returns one list of n Completions per prompt. The model runs in eval mode (and is left in the mode
+    it was in), under the caller's autocast when there is one (`cache_dtype` is then its dtype)."""
     if stop_strings and decode is None:
         raise ValueError("stop strings need a decode function to read the completions")
+    was = model.training
     model.eval()
+    try:
+        return _sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_ids, stop_strings, decode,
+                       seed, vocab_limit, cache_dtype)
+    finally:
+        model.train(was)
+
+
+def _sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_ids, stop_strings, decode, seed,
+            vocab_limit, cache_dtype) -> list[list[Completion]]:
     dev = model.embed.weight.device
     g = torch.Generator(device=dev).manual_seed(int(seed))
     stops = set(int(s) for s in stop_ids)

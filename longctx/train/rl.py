@@ -159,6 +159,8 @@ class RL:
         if self.file is None:
             self.prompts = TaskPrompts(data.source.task, data.template, self.cfg.sft.min_len, self.r.max_new_tokens,
                                        self.cfg.seed)
+            for i, st in enumerate(self.cfg.stages):
+                self.prompts.check(st.seq_len, f"stages.{i}.seq_len")
         self.stream = RLStream(self.file.state_key() if self.file is not None else self.prompts.state_key())
 
     def describe(self) -> str:

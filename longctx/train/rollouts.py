@@ -114,11 +114,28 @@ class TaskPrompts:
         self.task, self.template = task, template
         self.min_len, self.max_new, self.seed = int(min_len), int(max_new_tokens), int(seed)
 
+    def lengths(self, seq_len: int) -> tuple[int, int]:
+        """The range of haystack lengths a stage of `seq_len` draws from."""
+        hi = max(seq_len - self.max_new, 64)
+        return min(self.min_len, hi), hi
+
+    def check(self, seq_len: int, setting: str) -> None:
+        """One sentence now, not mid-run, when the shortest haystack of a stage cannot be built (eight of
+        them tried: at a length that is just enough, some draws fit and some do not)."""
+        lo, _ = self.lengths(seq_len)
+        try:
+            for k in range(8):
+                self.task.example(k, lo)
+        except DataError:
+            raise DataError(f"task = rl: no haystack of {lo} tokens (the shortest that {setting} less rl.max_new_tokens, "
+                            f"and sft.min_len, allow) holds sft.questions = {self.task.questions} questions; raise "
+                            "sft.min_len or the stage's seq_len, or lower sft.questions.") from None
+
     def get(self, k: int, seq_len: int) -> tuple[np.ndarray, list[dict], str, int]:
         """(prompt ids, prompt messages, reference answer, the haystack's length)."""
-        hi = max(seq_len - self.max_new, 64)
+        lo, hi = self.lengths(seq_len)
         rng = np.random.default_rng([self.seed, 3, k])
-        length = int(rng.integers(min(self.min_len, hi), hi + 1))
+        length = int(rng.integers(lo, hi + 1))
         ex = self.task.example(k, length)
         j = int(rng.integers(len(ex.questions)))
         msgs = ex.messages[: 2 * j + 1]
