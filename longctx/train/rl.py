@@ -24,8 +24,9 @@ trainer's. One step:
    alike). logp_old is the trainer's own log-prob before the batch's first update
    (rl.old_logprobs = "trainer", so that update's ratio is exactly 1 and the later ones measure how
    far the updates moved) or the sampler's (= "rollout": the ratio then also corrects for an engine
-   whose numbers differ from the trainer's). The MoE and indexer auxiliary losses are added as in
-   every training step.
+   whose numbers differ from the trainer's). The forward runs in eval mode, as the sampler's: the MoE
+   routers' balancing bias and the DSA indexer stay as the starting checkpoint has them (an RL batch,
+   a few prompts each rl.group times over, is no sample to balance experts or fit an indexer on).
 
 Each step records the mean reward, the completions' mean length, the clip fraction (tokens where
 the clipped term is the smaller one), `logp_gap` (the mean |sampler log-prob - trainer log-prob|
@@ -258,17 +259,22 @@ class RL:
 
     def _updates(self, trainer, ros: list[Rollout], adv: torch.Tensor) -> dict:
         """rl.updates optimizer steps on the rollouts; returns what the step records of them: the loss,
-        the last grad norm, the clip fraction, the rollout-vs-trainer gap and the KL (with a reference),
-        the auxiliary losses."""
+        the last grad norm, the clip fraction, the rollout-vs-trainer gap and the KL (with a reference).
+
+        The forward runs in eval mode, as the sampler's does: the policy gradient trains the policy and
+        nothing else. In train mode the MoE layers would install a router bias balanced on this batch
+        (a few prompts, each `group` times over: no sample of the data to balance experts on, and the
+        quantile balancer replaces the bias outright) and the DSA layers would fit their indexer to it;
+        both stay as the starting checkpoint has them."""
         model, dev, r = trainer.model, trainer.device, self.r
         n_tok = sum(len(x.tokens) for x in ros)
         mb = r.micro_batch or len(ros)
         batches = [list(range(i, min(i + mb, len(ros)))) for i in range(0, len(ros), mb)]
         old: dict[int, torch.Tensor] = {}  # rollout -> logp_old (rl.old_logprobs = "trainer": the first update's)
-        gap_sum, gap_n, clipped, kl_sum, loss_sum, aux_sums, gn = 0.0, 0, 0, 0.0, 0.0, {}, 0.0
+        gap_sum, gap_n, clipped, kl_sum, loss_sum, gn = 0.0, 0, 0, 0.0, 0.0, 0.0
         autocast = dict(device_type=dev.type, dtype=trainer.dtype, enabled=trainer.dtype != torch.float32)
         max_norm = trainer.cfg.grad_clip if trainer.cfg.grad_clip > 0 else float("inf")
-        model.train()
+        model.eval()
         for u in range(r.updates):
             for idx in batches:
                 seqs = [(ros[i].prompt, ros[i].tokens) for i in idx]
@@ -294,20 +300,14 @@ class RL:
                     total = total + loss.sum()
                     clipped += int(clip_mask.sum())
                     kl_sum += float(kl.sum()) if kl is not None else 0.0
-                aux = model.aux_losses()  # the MoE balance and indexer losses, as every training step adds them
-                (total / n_tok + sum(v / len(batches) for v in aux.values())).backward()
+                (total / n_tok).backward()
                 loss_sum += float(total.detach()) / n_tok
-                for k, v in aux.items():
-                    aux_sums[k] = aux_sums.get(k, 0.0) + float(v.detach()) / len(batches)
-                model.clear_aux()
             gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
             trainer.opt.step()
             trainer.opt.zero_grad(set_to_none=True)
-            model.apply_balance_updates()
             if trainer.memory_policy is not None:
                 trainer.memory_policy.end_step()
-        out = {"loss": loss_sum / r.updates, "grad_norm": gn, "clip_frac": clipped / (n_tok * r.updates),
-               **{k: v / r.updates for k, v in aux_sums.items()}}
+        out = {"loss": loss_sum / r.updates, "grad_norm": gn, "clip_frac": clipped / (n_tok * r.updates)}
         if gap_n:  # none without the sampler's log-probs (a rollouts file may leave them out)
             out["logp_gap"] = gap_sum / gap_n
         if self.ref is not None:
