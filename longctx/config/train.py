@@ -428,6 +428,17 @@ def _h200_curriculum() -> TrainConfig:
     )
 
 
+def _sft_retrieval() -> TrainConfig:
+    # The CPU SFT run of the embedded task that `rl-retrieval` starts from (init_from=runs/sft): the small
+    # model from scratch on signature questions over 256-token haystacks, scored at 256, 512 and 1024.
+    return TrainConfig(
+        model=model_preset("small"), preset="sft-retrieval", task="sft",
+        sft=SFTConfig(questions=2, kinds=["signature"], min_len=256, eval_lengths=[256, 512, 1024], eval_examples=16),
+        stages=[Stage(seq_len=256, steps=300, lr=2e-3, batch_size=16, warmup=10)],
+        out_dir="runs/sft", log_every=10,
+    )
+
+
 def _rl_retrieval() -> TrainConfig:
     # The CPU demonstration of RL: an SFT checkpoint of the small model (init_from) on the embedded task's
     # signature questions, haystacks of 256 to 512 tokens (80 new tokens hold the longest answer), 6 prompts
@@ -443,7 +454,7 @@ def _rl_retrieval() -> TrainConfig:
     )
 
 
-TRAIN_PRESETS = {"h200-curriculum": _h200_curriculum, "rl-retrieval": _rl_retrieval}
+TRAIN_PRESETS = {"h200-curriculum": _h200_curriculum, "sft-retrieval": _sft_retrieval, "rl-retrieval": _rl_retrieval}
 
 
 def preset_names() -> list[str]:

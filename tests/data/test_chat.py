@@ -94,21 +94,25 @@ def _position_of(enc, text: str) -> int:
     return at
 
 
-@pytest.mark.parametrize("which, old, new", [(1, "Zürich", "Zurich"), (3, "21", "35"), (0, "terse", "tense")])
+@pytest.mark.parametrize("which, old, new", [(1, "Zürich", "Zurich"), (1, "weather", "wetter"), (3, "21", "35"),
+                                             (0, "terse", "tense")])
 def test_a_changed_prompt_or_tool_token_changes_no_loss_term(which, old, new):
     """The loss terms are (position, target) pairs of trained tokens. Changing a user, system or tool
-    token (here: one or two characters) leaves every label as it was: the changed token is an input,
-    never a target. Through the model, every term before it is bitwise the same, and the gradient of
-    the loss reaches no logit at a prompt or tool position."""
+    token leaves them as they were: no position predicts a changed token, the trained targets are the
+    same tokens in the same order (shifted when the change has another length), every term before the
+    change is bitwise the same through the model, and the loss's gradient reaches no logit at a prompt
+    or tool position."""
     from longctx.config.model import preset
     from longctx.model import LongCtxModel
 
     changed = [dict(m) for m in AGENT]
     changed[which]["content"] = changed[which]["content"].replace(old, new)
     a, b = TPL.encode(AGENT), TPL.encode(changed)
-    if len(old.encode()) == len(new.encode()):
-        assert a.labels.tolist() == b.labels.tolist() and a.spans == b.spans
     at = _position_of(a, old)
+    assert (a.labels[at - 1:at - 1 + len(old.encode())] == -100).all()
+    assert a.labels[a.labels != -100].tolist() == b.labels[b.labels != -100].tolist()
+    shift = len(new.encode()) - len(old.encode())
+    assert [(m, s + shift * (s > at), e + shift * (s > at)) for m, s, e in a.spans] == b.spans
     torch.manual_seed(0)
     model = LongCtxModel(preset("tiny").replace(vocab_size=256)).eval()
     losses = []
