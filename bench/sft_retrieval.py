@@ -1,15 +1,20 @@
 """CPU: SFT of the small model on the embedded long-context retrieval task, and its exact match on
 held-out haystacks by length, before and after (`longctx sft --preset sft-retrieval`).
 
-    OMP_NUM_THREADS=1 python bench/sft_retrieval.py [--preset sft-retrieval] [--set KEY=VALUE ...]
-        [--out runs/sft-retrieval] [--decode 8] [--json bench/results/sft_retrieval.json]
+    OMP_NUM_THREADS=2 python bench/sft_retrieval.py [--preset sft-retrieval] [--set KEY=VALUE ...]
+        [--out runs/sft] [--decode 8] [--json bench/results/sft_retrieval.json]
+
+(OMP_NUM_THREADS=1 where the cores are shared with other jobs: torch's threads spin-wait for each
+other, and a step of two threads on two busy cores can take ten times as long.)
 
 Runs the preset through the trainer (its log on stdout), then checks the scoring against real
 decoding: for the first --decode held-out examples of the shortest length it samples every answer
 greedily through the decode path (`longctx.generate`, from the conversation so far with the
 reference answers before it) and scores it with the task's reward (`exact_match`), next to the
-one-forward exact match the run reports. Writes the JSON: the config, before/after accuracy by
-length and kind, the decode check, the time, the commit.
+one-forward exact match the run reports. Writes the JSON: the command, date, commit and versions,
+the config, the before/after accuracy by length and kind and its table, the decode check, the times.
+The run folder (the preset's runs/sft) keeps the final checkpoint, which `init_from=runs/sft` starts
+another job (RL) from, and accuracy.png, the exact match by length.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import datetime
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -86,15 +92,25 @@ def main() -> int:
     train_s = time.perf_counter() - t0
     check = decode_check(trainer, a.decode) if a.decode > 0 else None
     res = {
-        "command": " ".join([sys.executable, *sys.argv]),
+        "command": " ".join(["python", *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
         "torch": torch.__version__,
+        "python": platform.python_version(),
+        "numpy": __import__("numpy").__version__,
+        "device": str(trainer.device),
+        "gpu": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else None,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "config": cfg.summary(),
+        "run": cfg.out_dir,  # its final checkpoint, metrics.jsonl and accuracy.png
         "sft": cfg.to_dict()["sft"],
         "steps": summary["step"],
-        "wall_s": round(train_s, 1),
+        "wall_s": round(train_s, 1),  # the job: data, evaluations before and after, training, checkpoint, plots
+        "decode_check_s": round(time.perf_counter() - t0 - train_s, 1),
+        "accuracy_table": summary.get("accuracy_table"),
         "accuracy_before": summary["before"]["accuracy"],
         "accuracy_after": summary["after"]["accuracy"],
         "by_kind_before": summary["before"].get("by_kind"),

@@ -429,13 +429,18 @@ def _h200_curriculum() -> TrainConfig:
 
 
 def _sft_retrieval() -> TrainConfig:
-    # The CPU SFT run of the embedded task that `rl-retrieval` starts from (init_from=runs/sft): the small
-    # model from scratch on signature questions over 256-token haystacks, scored at 256, 512 and 1024.
+    # The CPU SFT run of the embedded task (bench/sft_retrieval.py) that `rl-retrieval` starts from
+    # (init_from=runs/sft): the small model from scratch on signature questions. Short haystacks, where an
+    # answer costs the fewest tokens, four to a step (for the same tokens, more and smaller steps learn to
+    # copy sooner than 16 to a step); then 256-512 tokens as the learning rate decays. Scored from 256 to
+    # 4096 tokens, past what it trained on.
     return TrainConfig(
         model=model_preset("small"), preset="sft-retrieval", task="sft",
-        sft=SFTConfig(questions=2, kinds=["signature"], min_len=256, eval_lengths=[256, 512, 1024], eval_examples=16),
-        stages=[Stage(seq_len=256, steps=300, lr=2e-3, batch_size=16, warmup=10)],
-        out_dir="runs/sft", log_every=10,
+        sft=SFTConfig(questions=2, kinds=["signature"], min_len=256, eval_lengths=[256, 512, 1024, 2048, 4096],
+                      eval_examples=16),
+        stages=[Stage(seq_len=256, steps=900, lr=2e-3, batch_size=4, warmup=20, schedule="constant"),
+                Stage(seq_len=512, steps=300, lr=2e-3, batch_size=2, schedule="linear")],
+        out_dir="runs/sft", log_every=50,
     )
 
 

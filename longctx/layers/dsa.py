@@ -175,12 +175,13 @@ class SparseMLA(nn.Module):
             if docs is None:
                 self.indexer_loss_value = self.indexer.kl_loss(x, q_latent, q_abs, c, self.scale, selection=selection,
                                                                dense=dense)
-            else:  # each document's KL as if alone, the mean over all their queries
+            else:  # each document's KL as if alone (dense or not by its own length), the mean over all their queries
                 total, count = 0.0, 0.0
                 for r, a, b in docs:
+                    alone = b - a <= self.cfg.indexer_loss_dense_below
                     kl, n = self.indexer.kl_loss(x[r:r + 1, a:b], q_latent[r:r + 1, a:b], q_abs[r:r + 1, a:b],
-                                                 c[r:r + 1, a:b], self.scale, dense=dense, reduce=False,
-                                                 selection=None if dense else _shift(selection[r:r + 1, a:b], -a))
+                                                 c[r:r + 1, a:b], self.scale, dense=alone, reduce=False,
+                                                 selection=None if alone else _shift(selection[r:r + 1, a:b], -a))
                     total, count = total + kl, count + n
                 self.indexer_loss_value = total / torch.as_tensor(count).clamp(min=1)
         return y, selection

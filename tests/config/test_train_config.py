@@ -48,6 +48,12 @@ def test_h200_curriculum():
     assert c.model == preset("h200-ref") and c.dtype == "bfloat16"
 
 
+def test_sft_retrieval():
+    c = load_train_config(None, "sft-retrieval", [])
+    assert c.task == "sft" and c.data.path is None and c.out_dir == "runs/sft" and c.model == preset("small")
+    assert 4096 in c.sft.eval_lengths and min(c.sft.eval_lengths) == c.sft.min_len == c.stages[0].seq_len
+
+
 def test_round_trip_toml_json_yaml(tmp_path):
     c = load_train_config(None, "tiny", ["model.vocab_size=256", "data.sources.long=/books",
                                          "stages.1.data_mix={main = 1.0, long = 3.0}", "memory.recompute=\"full\""])

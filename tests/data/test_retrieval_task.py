@@ -95,6 +95,16 @@ def test_examples_are_deterministic_by_seed_and_index(tasks):
     assert all(len(src.get(k, 800)) <= 800 for k in range(3))  # a stage shorter than min_len: its own length
 
 
+def test_the_sft_retrieval_presets_shortest_haystacks_can_be_built():
+    from longctx.config.loading import load_train_config
+
+    c = load_train_config(None, "sft-retrieval", [])
+    train, held, root = stdlib_files(packages=PACKAGES)
+    for files, split in ((train, "train"), (held, "eval")):
+        task = RetrievalTask(files, root, 0, _count, _size, c.sft.questions, c.sft.kinds, split=split)
+        assert all(len(TPL.encode(task.example(i, c.sft.min_len).messages)) <= c.sft.min_len for i in range(8))
+
+
 def test_kinds_and_bad_settings(tasks):
     train, _, root = tasks
     only = RetrievalTask(stdlib_files(packages=PACKAGES)[0], root, 0, _count, _size, questions=2, kinds=["signature"])

@@ -76,6 +76,31 @@ def test_packed_conversations_equal_separate_ones(name):
             assert (packed_grads[n] - p.grad).abs().max() <= 1e-4 * p.grad.abs().max() + 1e-9, n
 
 
+def test_the_indexer_kl_of_packed_conversations_is_their_own():
+    """The indexer's KL of a packed row is the mean over its conversations' queries of what each has
+    alone: dense (the warm-up) or sparse by the conversation's own length, not the packed row's.
+    Conversations of one length fill rows of that length, so the packed KL is the plain mean."""
+    torch.manual_seed(0)
+    words = "alpha beta gamma delta "
+    convs = [TPL.encode([{"role": "user", "content": (words[5 * i:] + words[:5 * i]) * 3},
+                         {"role": "assistant", "content": "delta"}]) for i in range(3)]
+    L = len(convs[0])
+    assert all(len(c) == L for c in convs) and L > 2 * 8  # longer than tiny's top-8 selection: dense != sparse
+    cfg = preset("tiny").replace(vocab_size=256, indexer_loss=True, indexer_loss_dense_below=L)
+    model = LongCtxModel(cfg).train()
+    batch = pack_rows(convs, seq_len=L)
+    x, y, cu = sft_mod.model_inputs(batch, lambda t: t, None, None)
+    assert x.shape[1] == 3 * L > cfg.indexer_loss_dense_below
+    with torch.no_grad():
+        model(x, labels=y, cu_seqlens=cu, return_logits=False)
+        packed = model.aux_losses()["indexer_kl"]
+        alone = []
+        for c in convs:
+            model(torch.as_tensor(c.tokens)[None], labels=torch.as_tensor(c.labels)[None], return_logits=False)
+            alone.append(model.aux_losses()["indexer_kl"])
+    torch.testing.assert_close(packed, torch.stack(alone).mean(), rtol=1e-5, atol=1e-7)
+
+
 def test_unpacked_rows_need_no_boundaries_and_docs_reach_dsa():
     from longctx.layers.dsa import SparseMLA, document_spans
 
