@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data.chat import _first_line, _short
 from ..errors import ConfigError, DataError, UserError, did_you_mean
 
 
@@ -294,13 +295,3 @@ def _ranges(xs: list[int]) -> str:
         if x is not None:
             a = b = x
     return ", ".join(out)
-
-
-def _short(v) -> str:
-    s = repr(v)
-    return s if len(s) <= 60 else s[:57] + "..."
-
-
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return s[0] if s else type(e).__name__

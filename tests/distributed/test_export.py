@@ -26,6 +26,7 @@ import torch
 
 import launch
 from hf_reference import make_checkpoint  # skips without transformers
+from test_hf_interop import _tensors as _hub_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LAYERS, EXPERTS = 12, 16
@@ -77,17 +78,6 @@ def _export_cli(*argv) -> int:
     from longctx.cli import main
 
     return main(["export", *map(str, argv)])
-
-
-def _hub_tensors(path) -> dict:
-    from safetensors import safe_open
-
-    out = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(path, name), "pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 # ----------------------------------------------------------------------------- transformers loads it

@@ -13,6 +13,7 @@ import torch
 
 from longctx.ops.sparse_attention import union as un
 from longctx.ops.sparse_attention.naive import sparse_attention_bwd_torch, sparse_attention_torch
+from test_sparse_attention import _rel
 
 
 def _expected(idx, G, S_kv, b, n):
@@ -143,10 +144,6 @@ CASES = [
     ("g4_h16_d256", 1, 4, 9, 16, 256, 11, 4, 0.2),  # 64 rows: the 8-warp look-ahead forward
 ]
 KEPT = ("g4_h4_k21",)
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def _run_cases() -> None:
