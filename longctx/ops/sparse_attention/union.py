@@ -214,10 +214,9 @@ def choose_group(H: int, ratios: dict) -> int:
 
 def resolve_group(idx: torch.Tensor, H: int, S_kv: int, group: int | str | None = None) -> int:
     """G for one call: `group` if given (an int or "auto": the cost model on the measured union sizes),
-    else $LONGCTX_SPARSE_GROUP, else 1. The default stays today's per-query kernel until the compiled
-    union kernels have passed their GPU tests and the benchmark has measured the gain (docs/design/
-    sparse_attention.md); "auto" also costs one host sync per call for the union sample. Shapes the union
-    cannot take get 1."""
+    else $LONGCTX_SPARSE_GROUP, else 1: on the measured selections the union's build costs about
+    what its kernels save (docs/design/sparse_attention.md), and "auto" costs one host sync per call for
+    the union sample. Shapes the union cannot take get 1."""
     if group is None:
         group = os.environ.get(ENV, "1")
     if isinstance(group, str) and group != "auto":
