@@ -4,7 +4,7 @@
 #   bash dev/run_h200.sh tests e2e           # the GPU test files below, then the 128k end-to-end check
 #   bash dev/run_h200.sh sparse indexer kda  # kernel benchmarks: bench/<name>.py --out $OUT
 #   bash dev/run_h200.sh step1m              # 8k warm-up, one 1M-token step, baseline's longest context, host memory
-# Parts: tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload profile peak host
+# Parts: tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload rl profile peak host
 # switches variants, and kernels (= tests e2e kda) and extras (= offload switches). Results go to $OUT (the device
 # tool's, else bench/out/h200); each benchmark writes its JSON there (bench/results/<name>.json is the
 # tracked copy the README's table reads: copy a run's JSON over it, then `python bench/make_table.py --write`).
@@ -115,6 +115,11 @@ offload)
       --offload-modes ${OFFLOAD_MODES:-no_offload,pinned_kept,pinned,pageable} \
       > "$OUT/memory_offload.log" 2>&1; tail -8 "$OUT/memory_offload.log"
   ;;
+rl)
+  # RL steps of h200-ref on 128k-token trajectories: the time split and the rollout-vs-trainer gap, bf16 and fp32
+  timeout $(left) python bench/rl_step.py --out "$OUT/rl" ${RL_ARGS:-} > "$OUT/rl_step.log" 2>&1; tail -12 "$OUT/rl_step.log"
+  rm -rf "$OUT/rl/run"  # the run folder (checkpoint, plots): the device tool returns at most 8 files
+  ;;
 profile)
   # one warm all-on step under torch.profiler at PROFILE_S (128k) tokens, kernels by GPU time, copies and
   # elementwise ops by the line that asked for them
@@ -157,6 +162,6 @@ variants)
     rm -f "$OUT/$d/memory.png"  # the device tool returns at most 8 files: keep the JSON
   done
   ;;
-*) echo "usage: dev/run_h200.sh PART... with PART in tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload profile peak host switches variants kernels extras"; exit 2 ;;
+*) echo "usage: dev/run_h200.sh PART... with PART in tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload rl profile peak host switches variants kernels extras"; exit 2 ;;
 esac
 done
