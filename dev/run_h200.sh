@@ -117,7 +117,8 @@ offload)
   ;;
 rl)
   # RL steps of h200-ref on 128k-token trajectories: the time split and the rollout-vs-trainer gap, bf16 and fp32
-  timeout $(left) python bench/rl_step.py --out "$OUT/rl" ${RL_ARGS:-} > "$OUT/rl_step.log" 2>&1; tail -12 "$OUT/rl_step.log"
+  # (RL_S seconds at most, RL_ARGS for bench/rl_step.py)
+  timeout $(left ${RL_S:-600}) python bench/rl_step.py --out "$OUT/rl" ${RL_ARGS:-} > "$OUT/rl_step.log" 2>&1; tail -12 "$OUT/rl_step.log"
   rm -rf "$OUT/rl/run"  # the run folder (checkpoint, plots): the device tool returns at most 8 files
   ;;
 profile)
