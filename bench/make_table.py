@@ -122,6 +122,14 @@ def memory_rows() -> list[dict]:
     out.append(row("one training step of 1,048,576 tokens (h200-ref, 1.53B) in <= 135 GiB",
                    f"{r['peak_allocated_gib']:.1f} GiB peak, {r['step_s']:.1f} s a step", verdict(r["peak_allocated_gib"] <= 135),
                    prov(d, r), memory_command(1024 * K)))
+    if ("all_on", 4096 * K) in run:
+        r = run[("all_on", 4096 * K)]
+        out.append(row("one training step of 4,194,304 tokens (h200-ref) on one H200, the estimate within +-10%",
+                       f"{r['peak_allocated_gib']:.1f} GiB peak (estimate {r['estimate_gib']:.1f}, "
+                       f"{100 * (r['estimate_gib'] / r['peak_allocated_gib'] - 1):+.1f}%), {r['step_s']:.0f} s a step, "
+                       f"{r['host_rss_gib']:.1f} GiB host",
+                       verdict(abs(r["estimate_gib"] / r["peak_allocated_gib"] - 1) <= 0.10), prov(d, r),
+                       rerun(r["command"])))
     r = run[("all_on", 128 * K)]
     out.append(row("MFU >= 35% at 128k", f"{100 * r['mfu']:.1f}% ({r['step_s']:.2f} s a step)", verdict(r["mfu"] >= 0.35),
                    prov(d, r), memory_command(128 * K)))
