@@ -30,8 +30,9 @@ trainer's. One step:
 
 Each step records the mean reward, the completions' mean length, the clip fraction (tokens where
 the clipped term is the smaller one), `logp_gap` (the mean |sampler log-prob - trainer log-prob|
-over the completion tokens, before the first update: ~1e-7 in fp32 with longctx's sampler, the
-size of an outside engine's mismatch otherwise) and, with a reference, the KL. The evaluation is
+over the completion tokens, before the first update: ~1e-7 in fp32 with longctx's sampler while
+every pool is selected, more where an indexer tie resolves differently in the decode step's shorter
+row (docs/design/post_training.md), the size of an outside engine's mismatch otherwise) and, with a reference, the KL. The evaluation is
 SFT's (held-out exact match by haystack length, one forward a turn), before, every eval_every
 steps and after; the run ends with reward.png beside the trainer's plots.
 
