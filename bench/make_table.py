@@ -178,6 +178,29 @@ def glm_rows() -> list[dict]:
     return out
 
 
+def post_training_rows() -> list[dict]:
+    out = []
+    d = load("sft_retrieval")
+    lengths = sorted(d["accuracy_after"], key=int)
+    L = lengths[-1]
+    lift = 100 * (d["accuracy_after"][L] - d["accuracy_before"][L])
+    out.append(row(f"SFT on the embedded retrieval task (CPU, small model) lifts held-out exact match at "
+                   f"{tokens(int(L))} by >= 30 points",
+                   f"{lift:+.1f} points ({100 * d['accuracy_before'][L]:.1f} -> {100 * d['accuracy_after'][L]:.1f}%, "
+                   f"{d['answers_per_length']} answers); at {', '.join(k + ': ' + format(100 * d['accuracy_after'][k], '.0f') + '%' for k in lengths[:-1])} tokens",
+                   verdict(lift >= 30), prov(d), "python bench/sft_retrieval.py"))
+    d = load("rl_step")
+    st = d["steps"][0]
+    out.append(row(f"one RL step of h200-ref on {tokens(d['seq_len'])}-token trajectories (rollout + train): "
+                   "sampler-vs-trainer log-prob gap <= 0.02 in fp32",
+                   f"{st['step_s']:.1f} s ({d['group']} completions: rollout {st['rollout_s']:.1f} s, train "
+                   f"{st['train_s']:.1f} s), peak {st['peak_gib']:.1f} GiB; gap bf16 {st['logp_gap']:.2f}, "
+                   + (f"fp32 {d['gap_fp32']['mean_abs_gap']:.1e}" if "gap_fp32" in d else "fp32 not measured"),
+                   verdict(d["gap_fp32"]["mean_abs_gap"] <= 0.02) if "gap_fp32" in d else "not measured", prov(d),
+                   rerun(d["command"])))
+    return out
+
+
 def kernel_rows() -> list[dict]:
     """Measurements without a target: the comparisons behind the defaults."""
     out = []
@@ -214,14 +237,14 @@ def kernel_rows() -> list[dict]:
 
 
 def table() -> str:
-    rows = sparse_rows() + indexer_rows() + memory_rows() + glm_rows() + kernel_rows()
+    rows = sparse_rows() + indexer_rows() + memory_rows() + glm_rows() + post_training_rows() + kernel_rows()
     gpus = sorted({load(n)["gpu"] for n in ("sparse_attention", "indexer", "memory", "glm_layers", "kda", "fused_loss",
-                                            "mhc", "host_buffers")})
+                                            "mhc", "host_buffers", "rl_step")})
     lines = ["| target | measured | | date | commit | command |", "|---|---|---|---|---|---|"]
     for r in rows:
         cells = [r["target"], r["measured"], r["verdict"], r["date"], f"`{r['commit']}`", f"`{r['command']}`"]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    note = (f"On one {', '.join(gpus)}. Rows without a verdict have no target: they are the comparisons behind "
+    note = (f"On one {', '.join(gpus)}, except where a row says CPU. Rows without a verdict have no target: they are the comparisons behind "
             f"the defaults. {DAGGER}: the commit that added the result; the run predates recorded commits.")
     return "\n".join(lines) + "\n\n" + note + "\n"
 

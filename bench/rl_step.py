@@ -48,7 +48,7 @@ from longctx.train.rl import completion_logprobs  # noqa: E402
 from longctx.train.trainer import Trainer  # noqa: E402
 
 STEP_KEYS = ("step", "reward", "length", "prompt_tokens", "clip_frac", "logp_gap", "loss", "grad_norm", "step_s",
-             "rollout_s", "tokens_per_s", "peak_allocated_gib", "impl")
+             "rollout_s", "tokens_per_s", "peak_gib", "impl")
 
 
 def sync():
