@@ -251,6 +251,13 @@ def _signal_sets(corpus):
     return as_flags(tiny_sets(corpus, *SIGNAL_STEPS))
 
 
+def _live_sigint():
+    """In the child: SIGINT handled by default. A pytest started as a background job of a
+    non-interactive shell (`pytest &`, nohup) ignores SIGINT, its children inherit that, and the
+    trainer rightly leaves an ignored signal ignored; these tests are about a signal that is live."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cmd(corpus, out):
     return [sys.executable, "-m", "longctx", "train", *_signal_sets(corpus), "--out", str(out)]
 
@@ -292,7 +299,8 @@ def _resume_and_compare(out, err, rc, expected_rc, uninterrupted):
 def test_a_signal_mid_run_leaves_a_checkpoint_that_resumes_exactly(tmp_path, corpus, uninterrupted, sig, code):
     out = tmp_path / "run"
     with open(tmp_path / "err", "w") as err:
-        p = subprocess.Popen(_cmd(corpus, out), env=_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+        p = subprocess.Popen(_cmd(corpus, out), env=_env(), stdout=subprocess.PIPE, stderr=err, text=True,
+                             preexec_fn=_live_sigint)
         try:
             _wait_for_a_step_line(p.stdout)
             p.send_signal(sig)
@@ -309,7 +317,7 @@ def test_ctrl_c_with_the_output_through_tee_leaves_a_checkpoint(tmp_path, corpus
     out, err, rc, log = (tmp_path / n for n in ("run", "err", "rc", "log"))
     train = " ".join(f"'{a}'" for a in _cmd(corpus, out))
     p = subprocess.Popen(["bash", "-c", f"({train} 2>'{err}'; echo $? > '{rc}') | tee '{log}'"], env=_env(),
-                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+                         stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_live_sigint)
     try:
         _wait_for_a_step_line(p.stdout)
         os.killpg(p.pid, signal.SIGINT)
