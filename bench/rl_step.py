@@ -51,31 +51,31 @@ STEP_KEYS = ("step", "reward", "length", "prompt_tokens", "clip_frac", "logp_gap
              "rollout_s", "tokens_per_s", "peak_gib", "impl")
 
 
-def sync():
+def timed(fn):
+    """(fn(), its seconds), the GPU's queue drained at both ends."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
 
 
 def gap(model, trainer, prompt, new: int, seed: int, autocast: bool) -> dict:
     """Sample `new` tokens after `prompt` (temperature 1) and score them with the training forward: the
     mean and max |Δ log-prob| over the completion, with the times of both."""
-    rl, r, dev = trainer.rl, trainer.cfg.rl, trainer.device
-    dt = trainer.dtype
+    dev, dt = trainer.device, trainer.dtype
     with torch.no_grad(), torch.autocast(dev.type, dtype=dt, enabled=autocast):
-        sync()
-        t0 = time.perf_counter()
-        c = sample(model, [prompt], n=1, max_new_tokens=new, temperature=1.0, seed=seed, stop_ids=(),
-                   vocab_limit=trainer.tokenizer.vocab_size, cache_dtype=dt if autocast else None)[0][0]
-        sync()
-        t1 = time.perf_counter()
-        lp = completion_logprobs(model, [(prompt, c.tokens)], dev)[0].float().cpu()
-        sync()
-        t2 = time.perf_counter()
+        c, sample_s = timed(lambda: sample(model, [prompt], n=1, max_new_tokens=new, temperature=1.0, seed=seed,
+                                           vocab_limit=trainer.tokenizer.vocab_size,
+                                           cache_dtype=dt if autocast else None)[0][0])
+        lp, forward_s = timed(lambda: completion_logprobs(model, [(prompt, c.tokens)], dev)[0].float().cpu())
     model.clear_aux()
     d = (lp - torch.tensor(c.logprobs, dtype=torch.float32)).abs()
     return {"prompt_tokens": int(len(prompt)), "new_tokens": len(c.tokens), "mean_abs_gap": float(d.mean()),
-            "max_abs_gap": float(d.max()), "mean_logprob": float(lp.mean()), "sample_s": t1 - t0,
-            "train_forward_s": t2 - t1}
+            "max_abs_gap": float(d.max()), "mean_logprob": float(lp.mean()), "sample_s": sample_s,
+            "train_forward_s": forward_s}
 
 
 def main() -> int:
@@ -105,7 +105,8 @@ def main() -> int:
     head_std = 3 / cfg.model.hidden_size ** 0.5 if a.head_std is None else a.head_std
     if head_std:
         with torch.no_grad():
-            trainer.model.lm_head.weight.normal_(0.0, head_std, generator=torch.Generator(trainer.model.lm_head.weight.device).manual_seed(0))
+            w = trainer.model.lm_head.weight
+            w.normal_(0.0, head_std, generator=torch.Generator(w.device).manual_seed(0))
     res["head_std"] = head_std
     trainer.save = lambda *args, **kw: None  # no checkpoint: h200-ref's weights and optimizer state are tens of GB
     trainer.run(force=True)
@@ -120,13 +121,10 @@ def main() -> int:
     model, rl = trainer.model, trainer.rl
     prompt = rl.prompts.get(10_000, S)[0]
     with torch.no_grad(), torch.autocast(trainer.device.type, dtype=trainer.dtype):
-        sync()
-        t0 = time.perf_counter()
-        sample(model, [prompt], n=a.group, max_new_tokens=1, temperature=1.0, seed=1,
-               vocab_limit=trainer.tokenizer.vocab_size, cache_dtype=trainer.dtype)
-        sync()
+        _, res["prefill_s"] = timed(lambda: sample(model, [prompt], n=a.group, max_new_tokens=1, temperature=1.0,
+                                                   seed=1, vocab_limit=trainer.tokenizer.vocab_size,
+                                                   cache_dtype=trainer.dtype))
     model.clear_aux()
-    res["prefill_s"] = time.perf_counter() - t0
     res["prefill_prompt_tokens"] = int(len(prompt))
     res["gap_bf16"] = gap(model, trainer, prompt, a.new, 2, autocast=trainer.dtype != torch.float32)
     print("bf16:", json.dumps(res["gap_bf16"]))
@@ -142,8 +140,8 @@ def main() -> int:
         res["gap_fp32"] = gap(model, trainer, p32, a.new, 3, autocast=False)
         if torch.cuda.is_available():
             res["gap_fp32"]["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        res["impl_fp32"] = model.impl_report()
         print("fp32:", json.dumps(res["gap_fp32"]))
-    res["impl_fp32"] = model.impl_report() if fp32_S else None
     write_results(a.out, "rl_step.json", res)
     return 0
 

@@ -32,9 +32,10 @@ Each step records the mean reward, the completions' mean length, the clip fracti
 the clipped term is the smaller one), `logp_gap` (the mean |sampler log-prob - trainer log-prob|
 over the completion tokens, before the first update: ~1e-7 in fp32 with longctx's sampler while
 every pool is selected, more where an indexer tie resolves differently in the decode step's shorter
-row (docs/design/post_training.md), the size of an outside engine's mismatch otherwise) and, with a reference, the KL. The evaluation is
-SFT's (held-out exact match by haystack length, one forward a turn), before, every eval_every
-steps and after; the run ends with reward.png beside the trainer's plots.
+row (docs/design/post_training.md), the size of an outside engine's mismatch otherwise) and, with a
+reference, the KL. The evaluation is SFT's (held-out exact match by haystack length, one forward a
+turn), before, every eval_every steps and after; the run ends with reward.png beside the trainer's
+plots.
 
 Our own loop, not TRL's or verl's: theirs drive a transformers model and an inference server of
 their own, while this one has to run longctx's sparse model, its memory plans and its checkpoints,
