@@ -1,7 +1,8 @@
 """GPU: RL steps of h200-ref on 128k-token trajectories (rollout + train), their time split, and the
 rollout-vs-trainer log-prob gap in bf16 and in fp32.
 
-    python bench/rl_step.py --out OUT [--seq-len 131072] [--group 4] [--new 32] [--steps 2] [--fp32-seq-len S]
+    python bench/rl_step.py --out OUT [--seq-len 131072] [--group 4] [--new 32] [--steps 2] [--fp32-seq-len S,...]
+                            [--fp32-only]
 
 1. `longctx rl`'s own steps (the Trainer, task = rl, the embedded retrieval task's prompts) with the
    h200-ref model in the trainer's GPU precision (bf16 autocast, fp32 weights): --steps steps of one
@@ -11,8 +12,9 @@ rollout-vs-trainer log-prob gap in bf16 and in fp32.
    tokens (the sampler decodes token by token through the KDA states and DSA caches, the trainer
    runs one training forward over prompt + completion).
 2. The rollout's split: the prompt's prefill alone (sample with one new token) beside the whole rollout.
-3. The same gap in fp32: the step-1 weights cast to fp32, one prompt of --fp32-seq-len tokens (default
-   --seq-len), --new tokens sampled without autocast and scored by the fp32 training forward.
+3. The same gap in fp32: the step-1 weights cast to fp32, one prompt of each --fp32-seq-len length
+   (default --seq-len), --new tokens sampled without autocast and scored by the fp32 training forward.
+   --fp32-only skips 1 and 2 (the initial weights, cast to fp32) and writes OUT/rl_gap_fp32.json.
 
 The weights are h200-ref's initialisation (no trained h200-ref checkpoint ships), with the output
 head re-drawn at std --head-std (default 3/sqrt(hidden), as tests/test_end_to_end_gpu.py does): at
@@ -86,11 +88,14 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--new", type=int, default=32, help="tokens sampled per completion")
     ap.add_argument("--steps", type=int, default=2, help="RL steps (the first compiles the kernels)")
-    ap.add_argument("--fp32-seq-len", type=int, help="prompt tokens of the fp32 gap (default --seq-len; 0: skip)")
+    ap.add_argument("--fp32-seq-len", help="prompt tokens of the fp32 gap, comma-separated (default --seq-len; 0: skip)")
+    ap.add_argument("--fp32-only", action="store_true", help="only the fp32 gap, from the initial weights")
     ap.add_argument("--head-std", type=float, help="std of the re-drawn output head (default 3/sqrt(hidden); 0: keep)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     a = ap.parse_args()
-    S, fp32_S = a.seq_len, a.seq_len if a.fp32_seq_len is None else a.fp32_seq_len
+    S = a.seq_len
+    fp32_lens = [int(x) for x in (a.fp32_seq_len or str(S)).split(",") if int(x) > 0]
+    name = "rl_gap_fp32.json" if a.fp32_only else "rl_step.json"
     sets = ["task=rl", f"stages=[{{seq_len={S}, steps={a.steps}, lr=1e-6, batch_size=1}}]",
             f"rl.group={a.group}", f"rl.max_new_tokens={a.new}", "rl.micro_batch=1", "sft.eval_examples=0",
             f"sft.min_len={S - a.new}", *a.set]
@@ -109,6 +114,30 @@ def main() -> int:
             w.normal_(0.0, head_std, generator=torch.Generator(w.device).manual_seed(0))
     res["head_std"] = head_std
     trainer.save = lambda *args, **kw: None  # no checkpoint: h200-ref's weights and optimizer state are tens of GB
+    model, rl = trainer.model, trainer.rl
+    if not a.fp32_only:
+        steps_and_bf16(a, trainer, res, cfg, t0)
+    if fp32_lens:
+        trainer.opt = None  # the optimizer state is not needed for the fp32 check: free its memory
+        model.float()
+        res["gap_fp32"] = []
+        for i, n in enumerate(fp32_lens):
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            g = gap(model, trainer, rl.prompts.get(10_001 + i, n)[0], a.new, 3, autocast=False)
+            if torch.cuda.is_available():
+                g["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            res["gap_fp32"].append(g)
+            res["impl_fp32"] = model.impl_report()
+            print("fp32:", json.dumps(g))
+            write_results(a.out, name, res)
+    write_results(a.out, name, res)
+    return 0
+
+
+def steps_and_bf16(a, trainer, res: dict, cfg, t0: float) -> None:
+    """Parts 1 and 2: the RL steps through the trainer, the prefill alone, the bf16 gap."""
     trainer.run(force=True)
     res["trainer_wall_s"] = time.perf_counter() - t0
     recs = [json.loads(x) for x in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
@@ -119,6 +148,7 @@ def main() -> int:
     write_results(a.out, "rl_step.json", res)
 
     model, rl = trainer.model, trainer.rl
+    S = a.seq_len
     prompt = rl.prompts.get(10_000, S)[0]
     with torch.no_grad(), torch.autocast(trainer.device.type, dtype=trainer.dtype):
         _, res["prefill_s"] = timed(lambda: sample(model, [prompt], n=a.group, max_new_tokens=1, temperature=1.0,
@@ -129,21 +159,6 @@ def main() -> int:
     res["gap_bf16"] = gap(model, trainer, prompt, a.new, 2, autocast=trainer.dtype != torch.float32)
     print("bf16:", json.dumps(res["gap_bf16"]))
     write_results(a.out, "rl_step.json", res)
-
-    if fp32_S:
-        trainer.opt = None  # the optimizer state is not needed for the fp32 check: free its memory
-        model.float()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        p32 = rl.prompts.get(10_001, fp32_S)[0]
-        res["gap_fp32"] = gap(model, trainer, p32, a.new, 3, autocast=False)
-        if torch.cuda.is_available():
-            res["gap_fp32"]["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        res["impl_fp32"] = model.impl_report()
-        print("fp32:", json.dumps(res["gap_fp32"]))
-    write_results(a.out, "rl_step.json", res)
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 #   bash dev/run_h200.sh tests e2e           # the GPU test files below, then the 128k end-to-end check
 #   bash dev/run_h200.sh sparse indexer kda  # kernel benchmarks: bench/<name>.py --out $OUT
 #   bash dev/run_h200.sh step1m              # 8k warm-up, one 1M-token step, baseline's longest context, host memory
-# Parts: tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload rl profile peak host
+# Parts: tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload rl installed profile peak host
 # switches variants, and kernels (= tests e2e kda) and extras (= offload switches). Results go to $OUT (the device
 # tool's, else bench/out/h200); each benchmark writes its JSON there (bench/results/<name>.json is the
 # tracked copy the README's table reads: copy a run's JSON over it, then `python bench/make_table.py --write`).
@@ -120,6 +120,12 @@ rl)
   # (RL_S seconds at most, RL_ARGS for bench/rl_step.py)
   timeout $(left ${RL_S:-600}) python bench/rl_step.py --out "$OUT/rl" ${RL_ARGS:-} > "$OUT/rl_step.log" 2>&1; tail -12 "$OUT/rl_step.log"
   rm -rf "$OUT/rl/run"  # the run folder (checkpoint, plots): the device tool returns at most 8 files
+  ;;
+installed)
+  # installed DSA kernels (FlashMLA's sparse prefill as sgl-flash-mla packages it, cuDNN frontend's if importable)
+  # beside ours at our shapes (INSTALLED_ARGS, default --quick); needs .whl/ with sgl_flash_mla in the carry
+  timeout $(left) python bench/installed_kernels.py --out "$OUT" ${INSTALLED_ARGS---quick} > "$OUT/installed_kernels.log" 2>&1
+  tail -12 "$OUT/installed_kernels.log"
   ;;
 profile)
   # one warm all-on step under torch.profiler at PROFILE_S (128k) tokens, kernels by GPU time, copies and
