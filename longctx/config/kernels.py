@@ -6,8 +6,9 @@ implementations:
   "auto"     the fast path on CUDA where it imports and takes the inputs, else the plain-torch twin
              (on CUDA with a warning naming the setting); the default;
   "torch"    the plain-torch twin (what the CPU runs, and the GPU tests' fp32 reference);
-  a backend  the fast path ("triton": ours, "fla": fla-core's, "liger": liger-kernel's); a run where it
-             cannot run stops at the start with a ConfigError naming the setting.
+  a backend  the fast path ("triton": ours, "fla": fla-core's, "liger": liger-kernel's, "flashmla":
+             sgl-flash-mla's); a run where it cannot run stops at the start with a ConfigError naming the
+             setting.
 
 `longctx.kernels.apply_kernels` sets them on a model and `longctx.kernels.planned` says, without running,
 what each will run on a device.
@@ -44,7 +45,8 @@ class KernelConfig:
     kda: str = "auto"               # the KDA recurrence: fla-core's chunk kernel ("fla")
     kda_conv: str = "auto"          # KDA's short conv: fla's causal_conv1d ("fla")
     kda_norm: str = "auto"          # KDA's gated output norm: fla's fused gated RMSNorm ("fla")
-    sparse_attention: str = "auto"  # DSA's attention over the selected tokens: ours ("triton")
+    sparse_attention: str = "auto"  # DSA's attention over the selected tokens: ours ("triton"), or FlashMLA's forward
+                                    # with our backward ("flashmla"; auto's from 64 heads where sgl-flash-mla imports)
     indexer: str = "auto"           # the k-pool indexer's selection: ours, score buffer + k-th select ("triton")
     loss: str = "auto"              # the LM head + cross entropy: liger's fused kernel ("liger")
     mhc: str = "auto"               # the mHC residuals: liger's ops, our projection up to 8 streams ("liger")

@@ -201,9 +201,21 @@ class SparseMLA(nn.Module):
             return sparse_ops.dense_masked_attention(q, kv, idx, self.scale)
         if self.attn_impl != "sparse":
             raise ConfigError(f"DSA attn_impl must be one of {', '.join(ATTN_IMPLS)} (got {self.attn_impl!r}).")
-        impl = _pick("sparse_attention", self.kernels["sparse_attention"], sparse_ops.IMPLS, q.is_cuda,
-                     lambda: sparse_ops.unavailable(q.device))
-        if impl == "triton":
+        setting = self.kernels["sparse_attention"]
+        shape = dict(heads=q.shape[2], width=q.shape[3], dtype=q.dtype)
+        impl = _pick("sparse_attention", setting, sparse_ops.IMPLS, q.is_cuda,
+                     lambda: sparse_ops.unavailable(q.device, impl=setting, **shape))
+        if impl == "triton" and setting == "auto":
+            impl = sparse_ops.auto_backend(q.device, **shape)
+        if impl == "flashmla":
+            from ..ops.sparse_attention import flashmla as fm
+            from ..ops.sparse_attention import triton as tk
+
+            self.last_impl = "dsa:flashmla-fwd+triton-bwd"
+            run = lambda: fm.sparse_attention_flashmla(q, kv, idx, self.scale)  # noqa: E731
+            fwd = lambda: fm.sparse_attention_fwd_flashmla(q, kv, idx, self.scale)  # noqa: E731
+            kept = lambda o, lse: tk.kept_sparse_attention_triton(q, kv, idx, o, lse, self.scale, group=1)  # noqa: E731
+        elif impl == "triton":
             from ..ops.sparse_attention import triton as tk
 
             # each raises (naming the shape) on what the kernel cannot take

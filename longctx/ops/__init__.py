@@ -1,14 +1,16 @@
 """Kernels and their plain-torch twins, one package per op: `ops/<op>/{__init__.py, naive.py, <backend>.py}`.
 
-Each op's `__init__.py` defines its settings once, `IMPLS` = ("auto", "torch", <its fast backend>), and
-`unavailable(device, cfg)`: why the fast backend cannot run there (None where it can). `pick` below is the
-one rule by which every layer chooses at run time, and `longctx.kernels.planned` says ahead of a run:
+Each op's `__init__.py` defines its settings once, `IMPLS` = ("auto", "torch", <its fast backend>, [a
+second one]), and `unavailable(device, cfg)`: why the fast backend cannot run there (None where it can).
+`pick` below is the one rule by which every layer chooses at run time, and `longctx.kernels.planned` says
+ahead of a run:
 
   "torch"    the plain-torch twin (`naive.py`), always;
-  <backend>  the fast path ("triton", "fla", "liger"); where it cannot run, a ConfigError naming
-             kernels.<op> and the fix, never a quiet substitute;
-  "auto"     the fast path on CUDA where it imports and takes the inputs, else the torch twin: without a
-             word on the CPU (nothing was asked of a GPU), with a warning on CUDA.
+  <backend>  that fast path ("triton", "fla", "liger", "flashmla"); where it cannot run, a ConfigError
+             naming kernels.<op> and the fix, never a quiet substitute;
+  "auto"     the first fast path on CUDA where it imports and takes the inputs, else the torch twin: without
+             a word on the CPU (nothing was asked of a GPU), with a warning on CUDA. An op with a second
+             backend (sparse_attention's FlashMLA) says where auto takes that one instead (`auto_backend`).
 
 Triton kernels run on CUDA tensors, and on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1,
 set before triton is imported), which the CPU tests use: there an explicit "triton" runs on the CPU.
@@ -29,9 +31,10 @@ def triton_interpreting() -> bool:
 
 def pick(op: str, impl: str, impls: tuple[str, ...], cuda: bool, why_not: Callable[[], str | None],
          plain: bool = False, warn: bool = True) -> str:
-    """What runs for the setting kernels.<op> = `impl`: "torch" or `impls[2]`, the op's fast backend.
+    """What runs for the setting kernels.<op> = `impl`: "torch", `impls[2]` (the op's fast backend) for "auto",
+    or the backend `impl` names.
 
-    cuda: the inputs are (or will be) on a CUDA device. why_not(): why the fast backend cannot run them,
+    cuda: the inputs are (or will be) on a CUDA device. why_not(): why that backend cannot run them,
     None where it can; asked only where the answer matters, so a CPU run never imports a kernel library.
     plain: the memory plan's baseline switch for this op is off (`memory.loss_chunk` 0, `chunked_indexer`
     or `mhc_cast_recompute` false); auto then takes the twin, which is what the baseline measures.
@@ -44,7 +47,7 @@ def pick(op: str, impl: str, impls: tuple[str, ...], cuda: bool, why_not: Callab
         return "torch"
     why = why_not()
     if why is None:
-        return impls[2]
+        return impls[2] if impl == "auto" else impl
     if impl != "auto":
         raise ConfigError(f"kernels.{op} = {impl!r} cannot run here ({why}); set kernels.{op} to 'auto' or 'torch'.")
     if warn:

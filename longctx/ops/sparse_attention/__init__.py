@@ -1,21 +1,61 @@
-"""DSA sparse attention (`kernels.sparse_attention`): the plain-torch twin (`naive.py`) and our Triton
-kernel (`triton.py`), which gathers each selected latent row once per tile for all heads."""
+"""DSA sparse attention (`kernels.sparse_attention`): the plain-torch twin (`naive.py`), our Triton kernel
+(`triton.py`), which gathers each selected latent row once per tile for all heads, and FlashMLA's sparse
+prefill forward with our Triton backward (`flashmla.py`, where sgl-flash-mla is installed).
+
+"auto" runs Triton, or FlashMLA where it is installed and measured faster (64 heads and more, bf16, latent
+width 512, SM90: `auto_backend`); "triton" and "flashmla" run that one or stop with the reason."""
 
 from __future__ import annotations
 
 from .. import fast_path_problem, lazy_attr, module_import_error
 
-IMPLS = ("auto", "torch", "triton")
+IMPLS = ("auto", "torch", "triton", "flashmla")
 
 _TWINS = {n: "naive" for n in ("dense_masked_attention", "kept_sparse_attention_torch", "sparse_attention_bwd_torch",
                                "sparse_attention_torch")}
-__all__ = ["IMPLS", "unavailable", *_TWINS]
+__all__ = ["IMPLS", "auto_backend", "unavailable", *_TWINS]
 
 
 def __getattr__(name: str):
     return lazy_attr(__name__, _TWINS, name)
 
 
-def unavailable(device, cfg=None) -> str | None:
-    """Why the Triton kernel cannot run on `device`, or None. Shapes it cannot take raise its ValueError."""
-    return fast_path_problem(device, lambda: module_import_error(f"{__name__}.triton"), "triton", interpreter=True)
+def _shape(cfg, heads, width):
+    """(heads, latent width) from the arguments, else from a ModelConfig, else None."""
+    if heads is None and cfg is not None:
+        heads, width = cfg.attn_heads, cfg.kv_lora_rank
+    return heads, width
+
+
+def unavailable(device, cfg=None, impl: str = "triton", heads: int | None = None, width: int | None = None,
+                dtype=None) -> str | None:
+    """Why backend `impl` ("triton"; "auto" means it too; or "flashmla") cannot run on `device`, or None.
+    For FlashMLA also the model's shapes (`cfg`, or heads and width) and the inputs' dtype where given.
+    Shapes the Triton kernel cannot take raise its ValueError when it runs."""
+    if impl != "flashmla":
+        return fast_path_problem(device, lambda: module_import_error(f"{__name__}.triton"), "triton", interpreter=True)
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return f"it runs on CUDA tensors, and these are on {dev.type}"
+    from . import flashmla
+
+    heads, width = _shape(cfg, heads, width)
+    err = flashmla.import_error()  # not in .[gpu]: an estimate for another machine assumes it only where it imports
+    if err is not None:
+        return (f"sgl-flash-mla does not import: {err}; `pip install --no-deps sgl-flash-mla` installs it (its "
+                "kernels use torch's stable ABI; its metadata asks for a newer torch than it needs)")
+    return (flashmla.device_problem(dev) or (flashmla.shape_problem(heads, width, dtype) if heads is not None else None)
+            or fast_path_problem(device, lambda: module_import_error(f"{__name__}.triton"), "triton"))
+
+
+def auto_backend(device, cfg=None, heads: int | None = None, width: int | None = None, dtype=None) -> str:
+    """The fast backend auto runs: "flashmla" where it can run these shapes and heads >= 64 (measured faster:
+    flashmla.py's docstring), else "triton"."""
+    from . import flashmla
+
+    heads, width = _shape(cfg, heads, width)
+    if heads is None or heads < flashmla.AUTO_MIN_HEADS:
+        return "triton"
+    return "flashmla" if unavailable(device, impl="flashmla", heads=heads, width=width, dtype=dtype) is None else "triton"
