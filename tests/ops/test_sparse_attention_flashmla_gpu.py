@@ -32,8 +32,11 @@ def _rel(a, b):
         (1, 700, 1337, 128, 259),  # a chunk against a longer latent prefix (sequence chunks), 128 heads
     ],
 )
-def test_flashmla_matches_fp32_twin(B, S, S_kv, H, K):
+@pytest.mark.parametrize("block_rows", [None, 300])  # 300: the sequence in several calls, as long ones run
+def test_flashmla_matches_fp32_twin(B, S, S_kv, H, K, block_rows, monkeypatch):
     fm = _flashmla()
+    if block_rows:
+        monkeypatch.setattr(fm, "_BLOCK_BYTES", block_rows * (64 if H <= 64 else 128) * 512 * 2)
     D = 512
     g = torch.Generator(device="cuda").manual_seed(S * 7 + H)
     q = torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16().requires_grad_(True)

@@ -15,9 +15,11 @@ What it takes, and how our inputs are fitted to it (each difference costs a boun
   next multiple of 128; the padded heads' outputs are dropped.
 - D 512 here (the latent is key and value: d_v = D), which is GLM-5.3-Flash's and h200-ref's
   kv_lora_rank; other widths stay on Triton.
-- One sequence, flat over tokens: batch rows run one at a time, and the queries in blocks of
-  `_ROWS`, so the padded copies cost one block (at 64 heads and 2,176 slots, 16k rows: 1 GiB of q
-  when heads are padded, 136 MiB of indices), not the whole sequence's.
+- One sequence, flat over tokens: batch rows run one at a time, and the queries in blocks whose
+  output is at most `_BLOCK_BYTES` (8,192 queries at 64 heads, 4,096 at 128), so its output block
+  and the padded copies cost one block (at 64 heads: 512 MiB of output, 68 MiB of indices, and 512
+  MiB of q where heads are padded), not the whole sequence's. The memory estimate does not count
+  this transient of the forward (under 1% of a step's peak at the lengths it is used).
 - SM90 only here: its SM90 kernels are the `use_legacy` ones in 1.0.0; the SM100 kernels are not
   measured (nothing here has one).
 The plain-torch twin is `naive.sparse_attention_torch`; tests/ops/test_sparse_attention_flashmla_gpu.py
@@ -36,7 +38,7 @@ HEADS = (64, 128)      # the head counts its SM90 sparse prefill dispatches
 TOPK_MULTIPLE = 128    # slots per query must be a multiple of this
 WIDTHS = (512,)        # latent widths wired here (d_v = D)
 AUTO_MIN_HEADS = 64    # auto takes FlashMLA from here (measured faster at 64; padding 16 to 64 is not)
-_ROWS = 16384          # queries per call: bounds the padded copies of q and the indices
+_BLOCK_BYTES = 2**29   # a call's bf16 output block at most: bounds it and the padded copies of q and the indices
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,10 +93,11 @@ def sparse_attention_fwd_flashmla(q: torch.Tensor, kv: torch.Tensor, idx: torch.
     Kp = max(TOPK_MULTIPLE, math.ceil(K / TOPK_MULTIPLE) * TOPK_MULTIPLE)
     o = torch.empty_like(q)
     lse = torch.empty(B, S, H, device=q.device, dtype=torch.float32)
+    rows = max(1, _BLOCK_BYTES // (Hp * D * 2))
     for b in range(B):
         kv3 = kv[b].contiguous()[:, None, :]
-        for s0 in range(0, S, _ROWS):
-            s1 = min(S, s0 + _ROWS)
+        for s0 in range(0, S, rows):
+            s1 = min(S, s0 + rows)
             qb = q[b, s0:s1]
             qb = qb.contiguous() if Hp == H else F.pad(qb, (0, 0, 0, Hp - H))
             ib = F.pad(idx[b, s0:s1].to(torch.int32), (0, Kp - K), value=-1)[:, None, :]
