@@ -82,6 +82,22 @@ class Completion:
     logprobs: list[float]  # log p(token) under the model's log-softmax at temperature 1, one per token
     finish: str            # "stop" (a stop id), "stop_string" or "length" (max_new_tokens reached)
     text: str | None       # decode(tokens) without a stop id, cut before a stop string; None without `decode`
+    routing: "Routing | None" = None  # the MoE layers' expert choices (sample(record_routing=True))
+
+
+@dataclass
+class Routing:
+    """The expert choices the sampler made for one completion, per MoE layer in model order: the prompt's
+    ([P, k], shared by the prompt's completions) and the completion's ([n, k]). The last completion token
+    was never run through the model (sampling stops after drawing it); its row holds experts 0..k-1, which
+    no log-prob of the completion depends on (the model is causal)."""
+
+    prompt: list[torch.Tensor]
+    tokens: list[torch.Tensor]
+
+    def full(self, layer: int) -> torch.Tensor:
+        """[P + n, k] expert indices of every position of prompt + completion, for MoE layer `layer`."""
+        return torch.cat([self.prompt[layer], self.tokens[layer]])
 
 
 def _batch_map(obj, fn):
@@ -111,7 +127,8 @@ def _rows(caches, index: torch.Tensor) -> None:
 def sample(model, prompts: Sequence, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
            top_p: float = 1.0, top_k: int | None = None, stop_ids: Sequence[int] = (),
            stop_strings: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
-           seed: int = 0, vocab_limit: int | None = None, cache_dtype: torch.dtype | None = None) -> list[list[Completion]]:
+           seed: int = 0, vocab_limit: int | None = None, cache_dtype: torch.dtype | None = None,
+           record_routing: bool = False) -> list[list[Completion]]:
     """n completions of each prompt (1-D token ids), decoded as one batch per prompt through the caches.
 
     temperature 0 is greedy (every row the same). A completion ends at a stop id (kept as its last
@@ -119,21 +136,26 @@ def sample(model, prompts: Sequence, n: int = 1, max_new_tokens: int = 64, tempe
     the one that completed it are kept; `text` is cut before it), or after max_new_tokens. The draws
     come from one generator seeded with `seed`, prompt after prompt, so a call is reproducible.
     Returns one list of n Completions per prompt. The model runs in eval mode (and is left in the mode
-    it was in), under the caller's autocast when there is one (`cache_dtype` is then its dtype)."""
+    it was in), under the caller's autocast when there is one (`cache_dtype` is then its dtype).
+    record_routing: each Completion also gets the MoE layers' expert choices of its prompt and tokens
+    (`Routing`), for a training forward to replay (rl.replay_routing)."""
     if stop_strings and decode is None:
         raise ValueError("stop strings need a decode function to read the completions")
     was = model.training
     model.eval()
     try:
         return _sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_ids, stop_strings, decode,
-                       seed, vocab_limit, cache_dtype)
+                       seed, vocab_limit, cache_dtype, record_routing)
     finally:
         model.train(was)
 
 
 def _sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_ids, stop_strings, decode, seed,
-            vocab_limit, cache_dtype) -> list[list[Completion]]:
+            vocab_limit, cache_dtype, record_routing=False) -> list[list[Completion]]:
+    from .layers.moe import MoE, RoutingTape, routing_tape
+
     dev = model.embed.weight.device
+    moes = [m for m in model.modules() if isinstance(m, MoE)] if record_routing else []
     g = torch.Generator(device=dev).manual_seed(int(seed))
     stops = set(int(s) for s in stop_ids)
     # enough trailing tokens to hold any stop string (a token decodes to at least one byte, mostly)
@@ -142,7 +164,10 @@ def _sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_i
     for prompt in prompts:
         ids = torch.as_tensor(prompt, dtype=torch.long, device=dev).reshape(1, -1)
         caches = model.init_caches(1, device=dev, dtype=cache_dtype)
-        logits = model.lm_head(model.hidden(ids, caches=caches)[:, -1]).float()
+        tape = RoutingTape() if moes else None  # records each forward's choices at tape.offset
+        steps_rows: list[list[int]] = []  # the completions of each decode step's batch rows
+        with routing_tape(tape):
+            logits = model.lm_head(model.hidden(ids, caches=caches)[:, -1]).float()
         live = torch.zeros(n, dtype=torch.long, device=dev)  # each live row's prompt row (all 0): the copies
         _rows(caches, live)
         logits = logits.expand(n, -1)
@@ -175,7 +200,12 @@ def _sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_i
                 _rows(caches, index)
                 nxt = nxt.index_select(0, index)
                 rows = [rows[j] for j in keep]
-            logits = model(nxt, caches=caches).logits[:, -1].float()
+            if tape is not None:
+                tape.offset = ids.shape[1] + t
+                steps_rows.append(list(rows))
+            with routing_tape(tape):
+                logits = model(nxt, caches=caches).logits[:, -1].float()
+        routing = _routing(tape, moes, steps_rows, [len(x) for x in toks]) if tape is not None else [None] * n
         group = []
         for r in range(n):
             text = None
@@ -184,8 +214,31 @@ def _sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_i
                 text = decode(body)
                 if cut[r] is not None:
                     text = text[:cut[r]]
-            group.append(Completion(toks[r], lps[r], finish[r] or "length", text))
+            group.append(Completion(toks[r], lps[r], finish[r] or "length", text, routing[r]))
         out.append(group)
+    return out
+
+
+def _routing(tape, moes, steps_rows: list[list[int]], lengths: list[int]) -> list[Routing]:
+    """Each completion's `Routing` from the tape of one prompt: the prefill's [1, P, k] recording, then one
+    [rows, 1, k] recording per decode step whose rows are the completions `steps_rows[step]`."""
+    for m in moes:
+        if len(tape.recorded(m)) != 1 + len(steps_rows):
+            raise RuntimeError(f"sample(record_routing=True): an MoE layer recorded {len(tape.recorded(m))} forwards "
+                               f"for a prefill and {len(steps_rows)} decode steps")
+    prompt = [tape.recorded(m)[0][1][0] for m in moes]
+    per = [[[] for _ in moes] for _ in lengths]  # completion -> layer -> [1, k] rows, step by step
+    for li, m in enumerate(moes):
+        for (_, idx), rows in zip(tape.recorded(m)[1:], steps_rows):
+            for j, r in enumerate(rows):
+                per[r][li].append(idx[j])
+    out = []
+    for r, n in enumerate(lengths):
+        toks = []
+        for li, p in enumerate(prompt):
+            last = torch.arange(p.shape[-1], dtype=p.dtype, device=p.device)[None]  # never run: any k experts
+            toks.append(torch.cat([*per[r][li], last])[:n] if n else p[:0])
+        out.append(Routing(prompt, toks))
     return out
 
 

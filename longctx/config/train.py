@@ -111,7 +111,10 @@ class RLConfig:
     rollouts: a .jsonl of rollouts from another engine, trained on instead of sampling. save_rollouts:
     write each step's rollouts to OUT/rollouts.jsonl in that format. export_every: write the policy in
     the transformers layout to OUT/policy every N steps (0: never). micro_batch: sequences per
-    forward and backward (0: all of a step's at once).
+    forward and backward (0: all of a step's at once). replay_routing: the training forward sends each
+    token to the experts the sampler chose for it (recorded while sampling; not for a rollouts file's), so
+    the ratio compares one function's log-probs, not two routings' (MoE models; bf16 flips near-tied router
+    scores between the decode step and the training forward).
     """
 
     group: int = 4
@@ -129,6 +132,7 @@ class RLConfig:
     save_rollouts: bool = False
     export_every: int = 0
     micro_batch: int = 0
+    replay_routing: bool = True
 
 
 def _demo_stages() -> list[Stage]:

@@ -146,6 +146,15 @@ class RoutingTape:
         small = torch.int16 if module.n_experts <= torch.iinfo(torch.int16).max else torch.int32
         self._rec.setdefault(module, []).append((self.offset, idx.to(small).view(batch, -1, idx.shape[-1])))
 
+    def put(self, module, idx: torch.Tensor, offset: int = 0) -> None:
+        """Add a recording made elsewhere: [B, T, k] expert indices of positions [offset, offset + T) (the
+        sampler's choices, replayed by RL's training forward)."""
+        self._rec.setdefault(module, []).append((offset, idx))
+
+    def recorded(self, module) -> list:
+        """(offset, [B, T, k] indices) of each forward `module` recorded, in order."""
+        return self._rec.get(module, [])
+
     def lookup(self, module, batch: int, tokens: int) -> torch.Tensor:
         """The recorded [batch * tokens, k] int64 indices of positions [offset, offset + tokens)."""
         for o, t in self._rec.get(module, ()):

@@ -24,9 +24,11 @@ trainer's. One step:
    alike). logp_old is the trainer's own log-prob before the batch's first update
    (rl.old_logprobs = "trainer", so that update's ratio is exactly 1 and the later ones measure how
    far the updates moved) or the sampler's (= "rollout": the ratio then also corrects for an engine
-   whose numbers differ from the trainer's). The forward runs in eval mode, as the sampler's: the MoE
-   routers' balancing bias and the DSA indexer stay as the starting checkpoint has them (an RL batch,
-   a few prompts each rl.group times over, is no sample to balance experts or fit an indexer on).
+   whose numbers differ from the trainer's). With rl.replay_routing (on) the forward sends each token
+   to the experts the sampler chose for it (`replay_tape`). The forward runs in eval mode, as the
+   sampler's: the MoE routers' balancing bias and the DSA indexer stay as the starting checkpoint has
+   them (an RL batch, a few prompts each rl.group times over, is no sample to balance experts or fit
+   an indexer on).
 
 Each step records the mean reward, the completions' mean length, the clip fraction (tokens where
 the clipped term is the smaller one), `logp_gap` (the mean |sampler log-prob - trainer log-prob|
@@ -53,6 +55,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..layers.moe import MoE, RoutingTape, routing_tape
 from .rollouts import Rollout, RolloutFile, TaskPrompts, completion_text, load_reward, rollout_line, score
 
 ADV_EPS = 1e-4  # added to a group's reward std: a group with one reward differing by 1e-6 gets no huge advantage
@@ -101,6 +104,19 @@ def completion_logprobs(model, seqs: list[tuple[np.ndarray, list[int]]], device)
     logits = model.lm_head(h[0, pos]).float()
     lp = torch.log_softmax(logits, -1).gather(-1, x[0, pos + 1, None]).squeeze(-1)
     return list(lp.split([len(c) for _, c in seqs]))
+
+
+def replay_tape(model, ros: list[Rollout], idx: list[int]) -> RoutingTape | None:
+    """A tape that replays the sampler's expert choices (rl.replay_routing) over the row `completion_logprobs`
+    packs of rollouts `idx`, for `model`'s MoE layers; None where a rollout brought none (a rollouts file,
+    the setting off) or the model has no MoE layer."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if not moes or not idx or any(ros[i].routing is None for i in idx):
+        return None
+    tape = RoutingTape(replay=True)
+    for li, m in enumerate(moes):
+        tape.put(m, torch.cat([ros[i].routing.full(li) for i in idx])[None])
+    return tape
 
 
 def rollout_seed(seed: int, step: int) -> int:
@@ -217,13 +233,14 @@ class RL:
             groups = sample(trainer.model, [p[0] for p in prompts], n=r.group, max_new_tokens=r.max_new_tokens,
                             temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed,
                             stop_ids=self.template.stop_ids, stop_strings=r.stop, decode=self.tok.decode,
-                            vocab_limit=self.tok.vocab_size, cache_dtype=dt if auto else None)
+                            vocab_limit=self.tok.vocab_size, cache_dtype=dt if auto else None,
+                            record_routing=r.replay_routing)
         trainer.model.clear_aux()
         out = []
         for gi, ((ids, _, answer, length), comps) in enumerate(zip(prompts, groups)):
             for c in comps:
                 out.append(Rollout(ids, c.tokens, c.logprobs, completion_text(self.template, c.tokens, r.stop),
-                                   answer, gi, prompt_len=length, finish=c.finish))
+                                   answer, gi, prompt_len=length, finish=c.finish, routing=c.routing))
         return out
 
     # ------------------------------------------------------------------ the step
@@ -282,10 +299,11 @@ class RL:
                 seqs = [(ros[i].prompt, ros[i].tokens) for i in idx]
                 ref = None
                 if self.ref is not None:
-                    with torch.no_grad(), torch.autocast(**autocast):
+                    with torch.no_grad(), torch.autocast(**autocast), routing_tape(replay_tape(self.ref, ros, idx)):
                         ref = completion_logprobs(self.ref, seqs, dev)
                     self.ref.clear_aux()
-                with torch.autocast(**autocast):
+                tape = replay_tape(model, ros, idx)
+                with torch.autocast(**autocast), routing_tape(tape):
                     lps = completion_logprobs(model, seqs, dev)
                 total = 0.0
                 for j, (i, lp) in enumerate(zip(idx, lps)):
@@ -302,7 +320,8 @@ class RL:
                     total = total + loss.sum()
                     clipped += int(clip_mask.sum())
                     kl_sum += float(kl.sum()) if kl is not None else 0.0
-                (total / n_tok).backward()
+                with routing_tape(tape):  # a block recompute in the backward replays the same choices
+                    (total / n_tok).backward()
                 loss_sum += float(total.detach()) / n_tok
             gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
             trainer.opt.step()

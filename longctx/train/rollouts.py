@@ -52,6 +52,7 @@ class Rollout:
     reward: float | None = None
     prompt_len: int = 0            # the haystack's length for a task prompt (tokens it was built for)
     finish: str | None = None      # how the sampler ended it: "stop", "stop_string", "length"
+    routing: object = None         # the sampler's MoE expert choices (generate.Routing), for rl.replay_routing
 
 
 # ------------------------------------------------------------------------------ the reward

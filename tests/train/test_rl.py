@@ -160,7 +160,10 @@ KEYS = ("loss", "grad_norm", "reward", "length", "clip_frac", "kl", "flat_groups
 
 def test_rl_job_rollouts_file_and_resume(tmp_path, small_task, reward_file):
     a = str(tmp_path / "a")
-    assert main(["rl", *_args(a, reward_file)]) == 0
+    # a rollouts file carries no expert choices, so the sampled run it is compared with replays none either
+    # (test_replayed_routing_* below has the replay)
+    a_args = _args(a, reward_file, "rl.replay_routing=false")
+    assert main(["rl", *a_args]) == 0
     steps = _steps(a)
     assert len(steps) == 3
     assert all(r["logp_gap"] < 1e-5 for r in steps)  # the same weights sample and train, fp32
@@ -182,10 +185,48 @@ def test_rl_job_rollouts_file_and_resume(tmp_path, small_task, reward_file):
 
     # stopped after one step and resumed: the uninterrupted run's numbers (the same prompts, draws and reference)
     c = str(tmp_path / "c")
-    assert main(["rl", *_args(c, reward_file), "--max-steps", "1"]) == 0
-    assert main(["rl", *_args(c, reward_file), "--resume"]) == 0
+    c_args = _args(c, reward_file, "rl.replay_routing=false")
+    assert main(["rl", *c_args, "--max-steps", "1"]) == 0
+    assert main(["rl", *c_args, "--resume"]) == 0
     assert [[r[k] for k in KEYS] for r in _steps(c)] == [[r[k] for k in KEYS] for r in steps]
     assert open(os.path.join(c, "rollouts.jsonl")).read() == open(os.path.join(a, "rollouts.jsonl")).read()
+
+
+def test_replayed_routing_gives_the_sampler_s_log_probs_after_the_router_moved():
+    """rl.replay_routing: the sampler records each token's experts (prompt and completion), and the training
+    forward that replays them computes the sampler's log-probs even where its own routing would now choose
+    other experts (here: router biases moved after sampling, as bf16 rounding moves near-tied scores)."""
+    from longctx.generate import Routing
+    from longctx.layers.moe import MoE, routing_tape
+    from longctx.train.rl import replay_tape
+    from longctx.train.rollouts import Rollout
+
+    torch.manual_seed(0)
+    model = LongCtxModel(preset("tiny").replace(init_std=0.2)).eval()
+    prompt = torch.randint(0, 97, (37,)).numpy()
+    comps = sample(model, [prompt], n=3, max_new_tokens=6, temperature=1.0, seed=0, record_routing=True)[0]
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert moes and all(isinstance(c.routing, Routing) for c in comps)
+    for c in comps:
+        for li, m in enumerate(moes):
+            full = c.routing.full(li)
+            assert full.shape == (len(prompt) + len(c.tokens), m.top_k)
+            assert int(full.min()) >= 0 and int(full.max()) < m.n_experts
+    assert all(c.routing.prompt is comps[0].routing.prompt for c in comps)  # the prompt's, shared by its group
+    ros = [Rollout(prompt, c.tokens, c.logprobs, "", None, 0, routing=c.routing) for c in comps]
+    seqs = [(r.prompt, r.tokens) for r in ros]
+    sampled = torch.tensor([p for c in comps for p in c.logprobs])
+    with torch.no_grad():
+        same = torch.cat(completion_logprobs(model, seqs, "cpu"))
+        for m in moes:
+            m.router.bias += 5 * torch.randn(m.router.bias.shape)
+        free = torch.cat(completion_logprobs(model, seqs, "cpu"))
+        with routing_tape(replay_tape(model, ros, [0, 1, 2])):
+            replayed = torch.cat(completion_logprobs(model, seqs, "cpu"))
+    assert (same - sampled).abs().max() < 1e-5
+    assert (free - sampled).abs().max() > 1e-2  # the moved routers send tokens elsewhere
+    assert (replayed - sampled).abs().max() < 1e-5
+    assert replay_tape(model, [Rollout(prompt, [1], [0.0], "", None, 0)], [0]) is None  # no routing: no tape
 
 
 def test_export_every_writes_the_policy_an_engine_reloads(tmp_path, small_task, reward_file):
