@@ -21,8 +21,9 @@ head re-drawn at std --head-std (default 3/sqrt(hidden), as tests/test_end_to_en
 the initial std every next-token distribution is nearly uniform and any two paths' log-probs agree,
 while logits of std ~3, as a trained LM's, make the gap measure the two paths' numerics. The rewards
 are those of an untrained policy. At initialisation the MoE routers' scores are nearly tied, so bf16
-rounding can send a token to other experts in the sampler than in the trainer: the bf16 gap includes
-those flips (tests/test_end_to_end_gpu.py measures them on the same model).
+rounding can send a token to other experts in the sampler than in the trainer: the steps replay the
+sampler's routing (rl.replay_routing, the default), and the separate gaps are measured both with the
+replay and without it (`*_free`), which is what the replay saves.
 Writes OUT/rl_step.json (bench/results/rl_step.json is the tracked copy).
 """
 
@@ -46,7 +47,9 @@ from timing import env_record, write_results  # noqa: E402
 
 from longctx.config.loading import load_train_config  # noqa: E402
 from longctx.generate import sample  # noqa: E402
-from longctx.train.rl import completion_logprobs  # noqa: E402
+from longctx.layers.moe import routing_tape  # noqa: E402
+from longctx.train.rl import completion_logprobs, replay_tape  # noqa: E402
+from longctx.train.rollouts import Rollout  # noqa: E402
 from longctx.train.trainer import Trainer  # noqa: E402
 
 STEP_KEYS = ("step", "reward", "length", "prompt_tokens", "clip_frac", "logp_gap", "loss", "grad_norm", "step_s",
@@ -66,18 +69,29 @@ def timed(fn):
 
 def gap(model, trainer, prompt, new: int, seed: int, autocast: bool) -> dict:
     """Sample `new` tokens after `prompt` (temperature 1) and score them with the training forward: the
-    mean and max |Δ log-prob| over the completion, with the times of both."""
+    mean and max |Δ log-prob| over the completion, with the times of both; with the sampler's MoE routing
+    replayed in that forward (rl.replay_routing, what the RL step does) and without (`*_free`)."""
     dev, dt = trainer.device, trainer.dtype
+    sampled = {}
     with torch.no_grad(), torch.autocast(dev.type, dtype=dt, enabled=autocast):
         c, sample_s = timed(lambda: sample(model, [prompt], n=1, max_new_tokens=new, temperature=1.0, seed=seed,
                                            vocab_limit=trainer.tokenizer.vocab_size,
-                                           cache_dtype=dt if autocast else None)[0][0])
-        lp, forward_s = timed(lambda: completion_logprobs(model, [(prompt, c.tokens)], dev)[0].float().cpu())
+                                           cache_dtype=dt if autocast else None, record_routing=True)[0][0])
+        tape = replay_tape(model, [Rollout(prompt, c.tokens, c.logprobs, "", None, 0, routing=c.routing)], [0])
+        for name, t in (("", tape), ("_free", None)):
+            if name and tape is None:
+                break  # no MoE layer: nothing to replay, one measurement
+            with routing_tape(t):
+                sampled[name] = timed(lambda: completion_logprobs(model, [(prompt, c.tokens)], dev)[0].float().cpu())
     model.clear_aux()
-    d = (lp - torch.tensor(c.logprobs, dtype=torch.float32)).abs()
-    return {"prompt_tokens": int(len(prompt)), "new_tokens": len(c.tokens), "mean_abs_gap": float(d.mean()),
-            "max_abs_gap": float(d.max()), "mean_logprob": float(lp.mean()), "sample_s": sample_s,
-            "train_forward_s": forward_s}
+    out = {"prompt_tokens": int(len(prompt)), "new_tokens": len(c.tokens), "routing_replayed": tape is not None,
+           "sample_s": sample_s}
+    for name, (lp, forward_s) in sampled.items():
+        d = (lp - torch.tensor(c.logprobs, dtype=torch.float32)).abs()
+        out.update({f"mean_abs_gap{name}": float(d.mean()), f"max_abs_gap{name}": float(d.max()),
+                    f"train_forward_s{name}": forward_s})
+    out["mean_logprob"] = float(sampled[""][0].mean())
+    return out
 
 
 def main() -> int:
