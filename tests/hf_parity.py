@@ -16,6 +16,7 @@ Used by tests/test_hf_fp32_gpu.py (and its CPU run in tests/test_step_drift_gpu.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 
 import torch
@@ -35,6 +36,21 @@ def _layer(name: str) -> int:
     return int(re.search(r"layers\.(\d+)\.", name).group(1))
 
 
+def torch_body(f):
+    """transformers' torch function under the wrappers it binds in its place: functools.wraps' `__wrapped__`
+    (its fla fallback) and, where the `kernels` package is installed, the hub-kernel module that holds that
+    wrapper (an nn.Module whose forward calls the function its closure keeps)."""
+    while True:
+        if hasattr(f, "__wrapped__"):
+            f = f.__wrapped__
+            continue
+        fwd = getattr(type(f), "forward", None) if isinstance(f, torch.nn.Module) else None
+        inner = [c.cell_contents for c in getattr(fwd, "__closure__", None) or () if inspect.isfunction(c.cell_contents)]
+        if len(inner) != 1:
+            return f
+        f = inner[0]
+
+
 @contextlib.contextmanager
 def hf_torch_path():
     """transformers' glm5_next with its KDA (and conv) functions on their torch bodies, whatever packages
@@ -44,7 +60,7 @@ def hf_torch_path():
     kept = {n: getattr(m, n) for n in _KDA_FUNCS}
     try:
         for n, f in kept.items():
-            setattr(m, n, getattr(f, "__wrapped__", f))
+            setattr(m, n, torch_body(f))
         yield
     finally:
         for n, f in kept.items():

@@ -62,7 +62,7 @@ def test_hf_fp32_comparison_runs_on_the_cpu(tmp_path):
     replayed longctx's logits are fp32 rounding away (~1e-5), replay really forces them (random experts move the
     logits by O(1)), and transformers' KDA functions are their torch bodies inside hf_torch_path only."""
     pytest.importorskip("transformers.models.glm5_next")
-    from hf_parity import forced_decisions, hf_decisions, hf_torch_path
+    from hf_parity import forced_decisions, hf_decisions, hf_torch_path, torch_body
     from hf_reference import make_checkpoint
     from test_hf_fp32_gpu import MAX_LOGIT, compare
     from transformers.models.glm5_next import modeling_glm5_next as m
@@ -76,7 +76,7 @@ def test_hf_fp32_comparison_runs_on_the_cpu(tmp_path):
 
     bound = m.chunk_kimi_delta_attention
     with hf_torch_path():
-        assert m.chunk_kimi_delta_attention is bound.__wrapped__
+        assert m.chunk_kimi_delta_attention is torch_body(bound) is not bound
     assert m.chunk_kimi_delta_attention is bound
     hf = make_checkpoint(tmp_path / "hf2", seed=0)
     ours = load_pretrained(str(tmp_path / "hf2")).eval()
