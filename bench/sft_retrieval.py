@@ -2,7 +2,11 @@
 held-out haystacks by length, before and after (`longctx sft --preset sft-retrieval`).
 
     OMP_NUM_THREADS=2 python bench/sft_retrieval.py [--preset sft-retrieval] [--set KEY=VALUE ...]
-        [--out runs/sft] [--decode 8] [--json bench/results/sft_retrieval.json]
+        [--out runs/sft] [--decode 8] [--json bench/results/sft_retrieval.json] [--pretrain STEPS]
+
+--pretrain STEPS first trains the preset's model on the embedded corpus (next-token loss, 1024 tokens x 2
+a step, into OUT/pretrain) and starts the SFT from it (init_from): the task's held-out files are the
+corpus's held-out ones, so pretraining sees none of them.
 
 (OMP_NUM_THREADS=1 where the cores are shared with other jobs: torch's threads spin-wait for each
 other, and a step of two threads on two busy cores can take ten times as long.)
@@ -81,12 +85,22 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="run folder (default: the preset's out_dir)")
     ap.add_argument("--decode", type=int, default=8, help="held-out examples whose answers are decoded greedily")
     ap.add_argument("--json", default=str(ROOT / "bench/results/sft_retrieval.json"))
+    ap.add_argument("--pretrain", type=int, default=0, metavar="STEPS",
+                    help="first pretrain the model on the embedded corpus (1024 tokens x 2 a step) and start SFT from it")
     a = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = load_train_config(None, a.preset, [*a.set, "task=sft"])
     if a.out:
         cfg.out_dir = a.out
     t0 = time.perf_counter()
+    pretrain_s = None
+    if a.pretrain:
+        pre = load_train_config(None, a.preset, [f"stages=[{{seq_len=1024, steps={a.pretrain}, lr=2e-3, batch_size=2, "
+                                                 "warmup=20}]", "task=pretrain"])
+        pre.out_dir = os.path.join(cfg.out_dir, "pretrain")
+        Trainer(pre).run(force=True)
+        cfg.init_from = pre.out_dir
+        pretrain_s = round(time.perf_counter() - t0, 1)
     trainer = Trainer(cfg)
     summary = trainer.run(force=True)
     train_s = time.perf_counter() - t0
@@ -108,6 +122,8 @@ def main() -> int:
         "run": cfg.out_dir,  # its final checkpoint, metrics.jsonl and accuracy.png
         "sft": cfg.to_dict()["sft"],
         "steps": summary["step"],
+        "pretrain_steps": a.pretrain,
+        "pretrain_s": pretrain_s,
         "wall_s": round(train_s, 1),  # the job: data, evaluations before and after, training, checkpoint, plots
         "decode_check_s": round(time.perf_counter() - t0 - train_s, 1),
         "accuracy_table": summary.get("accuracy_table"),
