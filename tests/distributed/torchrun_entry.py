@@ -40,6 +40,7 @@ def main() -> None:
     err = max([rel(xl.grad, shard(gx, cfg.cp, r))] + [rel(got[n], ref[n]) for n in ref])
     print(f"rank {rank} of {world} backend {dist.get_backend()} mesh {tuple(mesh.mesh.shape)} device {device} "
           f"worst {err:.3e}", flush=True)
+    dist.barrier()  # both ranks done before either tears gloo down: a peer leaving mid-teardown can abort the other
     dist.destroy_process_group()
 
 
