@@ -64,17 +64,11 @@ def planned(kernels: KernelConfig, device, model_cfg, plan=None, warn: bool = Fa
     if plan is not None:
         plain = {op for op, on in (("loss", plan.loss_chunk), ("indexer", plan.chunked_indexer),
                                    ("mhc", plan.mhc_cast_recompute)) if not on}
-    out = {}
-    for op in ops_of(model_cfg):
-        setting = getattr(kernels, op)
-        if op == "sparse_attention":  # two fast backends: the setting says whose availability counts
-            why = lambda: sparse_attention.unavailable(dev, model_cfg, impl=setting)  # noqa: E731
-        else:
-            why = lambda op=op: _UNAVAILABLE[op](dev, model_cfg)  # noqa: E731
-        out[op] = pick(op, setting, OPS[op].IMPLS, dev.type == "cuda", why, plain=op in plain, warn=warn)
-        if op == "sparse_attention" and setting == "auto" and out[op] == "triton":
-            out[op] = sparse_attention.auto_backend(dev, model_cfg)
-    return out
+    return {op: sparse_attention.pick(kernels.sparse_attention, dev, model_cfg, warn=warn)  # two fast backends
+            if op == "sparse_attention" else
+            pick(op, getattr(kernels, op), OPS[op].IMPLS, dev.type == "cuda",
+                 lambda op=op: _UNAVAILABLE[op](dev, model_cfg), plain=op in plain, warn=warn)
+            for op in ops_of(model_cfg)}
 
 
 def apply_kernels(model, kernels: KernelConfig) -> dict[str, str]:

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..ops import pick as _pick
 from ..ops import sparse_attention as sparse_ops
 from .kpool_indexer import GrowBuffer, IndexerCache, KPoolIndexer
 from .norms import RMSNorm
@@ -201,12 +200,8 @@ class SparseMLA(nn.Module):
             return sparse_ops.dense_masked_attention(q, kv, idx, self.scale)
         if self.attn_impl != "sparse":
             raise ConfigError(f"DSA attn_impl must be one of {', '.join(ATTN_IMPLS)} (got {self.attn_impl!r}).")
-        setting = self.kernels["sparse_attention"]
-        shape = dict(heads=q.shape[2], width=q.shape[3], dtype=q.dtype)
-        impl = _pick("sparse_attention", setting, sparse_ops.IMPLS, q.is_cuda,
-                     lambda: sparse_ops.unavailable(q.device, impl=setting, **shape))
-        if impl == "triton" and setting == "auto":
-            impl = sparse_ops.auto_backend(q.device, **shape)
+        impl = sparse_ops.pick(self.kernels["sparse_attention"], q.device, heads=q.shape[2], width=q.shape[3],
+                               dtype=q.dtype)
         if impl == "flashmla":
             from ..ops.sparse_attention import flashmla as fm
             from ..ops.sparse_attention import triton as tk

@@ -106,16 +106,25 @@ def completion_logprobs(model, seqs: list[tuple[np.ndarray, list[int]]], device)
     return list(lp.split([len(c) for _, c in seqs]))
 
 
-def replay_tape(model, ros: list[Rollout], idx: list[int]) -> RoutingTape | None:
-    """A tape that replays the sampler's expert choices (rl.replay_routing) over the row `completion_logprobs`
-    packs of rollouts `idx`, for `model`'s MoE layers; None where a rollout brought none (a rollouts file,
-    the setting off) or the model has no MoE layer."""
+def replay_rows(ros: list[Rollout], idx: list[int]) -> list[torch.Tensor] | None:
+    """Per MoE layer, the [1, T, k] expert choices the sampler made over the row `completion_logprobs` packs of
+    rollouts `idx`; None where a rollout brought none (a rollouts file, rl.replay_routing off)."""
+    if not idx or any(ros[i].routing is None for i in idx):
+        return None
+    return [torch.cat([ros[i].routing.full(li) for i in idx])[None] for li in range(len(ros[idx[0]].routing.prompt))]
+
+
+def replay_tape(model, ros: list[Rollout], idx: list[int], rows: list[torch.Tensor] | None = None) -> RoutingTape | None:
+    """A tape that replays the sampler's expert choices (rl.replay_routing) over the packed row of rollouts
+    `idx` for `model`'s MoE layers (`rows`: their `replay_rows`, when already built); None where there is
+    nothing to replay or the model has no MoE layer."""
+    rows = replay_rows(ros, idx) if rows is None else rows
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    if not moes or not idx or any(ros[i].routing is None for i in idx):
+    if not moes or rows is None:
         return None
     tape = RoutingTape(replay=True)
-    for li, m in enumerate(moes):
-        tape.put(m, torch.cat([ros[i].routing.full(li) for i in idx])[None])
+    for m, r in zip(moes, rows, strict=True):
+        tape.put(m, r)
     return tape
 
 
@@ -294,15 +303,17 @@ class RL:
         autocast = dict(device_type=dev.type, dtype=trainer.dtype, enabled=trainer.dtype != torch.float32)
         max_norm = trainer.cfg.grad_clip if trainer.cfg.grad_clip > 0 else float("inf")
         model.eval()
+        replay = [replay_rows(ros, idx) for idx in batches]  # built once, for every update and the reference
         for u in range(r.updates):
-            for idx in batches:
+            for idx, rows in zip(batches, replay):
                 seqs = [(ros[i].prompt, ros[i].tokens) for i in idx]
                 ref = None
                 if self.ref is not None:
-                    with torch.no_grad(), torch.autocast(**autocast), routing_tape(replay_tape(self.ref, ros, idx)):
+                    with (torch.no_grad(), torch.autocast(**autocast),
+                          routing_tape(replay_tape(self.ref, ros, idx, rows))):
                         ref = completion_logprobs(self.ref, seqs, dev)
                     self.ref.clear_aux()
-                tape = replay_tape(model, ros, idx)
+                tape = replay_tape(model, ros, idx, rows)
                 with torch.autocast(**autocast), routing_tape(tape):
                     lps = completion_logprobs(model, seqs, dev)
                 total = 0.0
