@@ -24,6 +24,7 @@ would have to repeat the memory plan, the checkpoints and the resume logic.
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -106,7 +107,10 @@ class SFTData:
                 raise DataError(f"{where} has no assistant turn to train on (or only weight-0 ones); give it one, "
                                 "or drop the conversation.")
         n_eval = cfg.data.eval_docs if len(named) > cfg.data.eval_docs else 0
-        held = set(sorted(range(len(named)), key=lambda i: (stable_hash(named[i][0]), i))[:n_eval])
+        # by what a conversation says, not where it is: the held-out set does not move with the file's
+        # folder or the order of its lines
+        keys = [stable_hash(json.dumps(msgs, sort_keys=True, ensure_ascii=False)) for _, msgs in convs]
+        held = set(sorted(range(len(named)), key=lambda i: (keys[i], i))[:n_eval])
         train = [x for i, x in enumerate(named) if i not in held]
         self.source = ConversationList([e for _, e in train], cfg.seed, names=[w for w, _ in train])
         for i, st in enumerate(cfg.stages):
