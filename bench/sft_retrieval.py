@@ -2,11 +2,12 @@
 held-out haystacks by length, before and after (`longctx sft --preset sft-retrieval`).
 
     OMP_NUM_THREADS=2 python bench/sft_retrieval.py [--preset sft-retrieval] [--set KEY=VALUE ...]
-        [--out runs/sft] [--decode 8] [--json bench/results/sft_retrieval.json] [--pretrain STEPS]
+        [--out runs/sft] [--decode 8] [--json bench/results/sft_retrieval.json] [--pretrain STEPS[@SEQ_LEN],...]
 
---pretrain STEPS first trains the preset's model on the embedded corpus (next-token loss, 1024 tokens x 2
-a step, into OUT/pretrain) and starts the SFT from it (init_from): the task's held-out files are the
-corpus's held-out ones, so pretraining sees none of them.
+--pretrain STEPS[@SEQ_LEN][,STEPS@SEQ_LEN ...] first trains the preset's model on the embedded corpus
+(next-token loss; a stage per item, SEQ_LEN tokens (default 1024) x 2048 // SEQ_LEN rows a step, at least
+one; into OUT/pretrain) and starts the SFT from it (init_from): the task's held-out files are the corpus's
+held-out ones, so pretraining sees none of them.
 
 (OMP_NUM_THREADS=1 where the cores are shared with other jobs: torch's threads spin-wait for each
 other, and a step of two threads on two busy cores can take ten times as long.)
@@ -78,6 +79,21 @@ def decode_check(trainer: Trainer, n: int) -> dict:
             "agreement_with_one_forward_scoring": agree / max(total, 1)}
 
 
+def pretrain_stages(spec: str) -> list[tuple[int, int]]:
+    """'500' or '500@1024,300@4096' -> [(steps, seq_len), ...]."""
+    out = []
+    for item in spec.split(","):
+        steps, _, L = item.strip().partition("@")
+        try:
+            out.append((int(steps), int(L or 1024)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--pretrain {spec!r}: write STEPS or STEPS@SEQ_LEN items, comma-separated "
+                                             "(e.g. 500@1024,300@4096)") from None
+        if out[-1][0] < 1 or out[-1][1] < 16:
+            raise argparse.ArgumentTypeError(f"--pretrain {spec!r}: each stage needs at least 1 step and 16 tokens")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="sft-retrieval")
@@ -85,8 +101,9 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="run folder (default: the preset's out_dir)")
     ap.add_argument("--decode", type=int, default=8, help="held-out examples whose answers are decoded greedily")
     ap.add_argument("--json", default=str(ROOT / "bench/results/sft_retrieval.json"))
-    ap.add_argument("--pretrain", type=int, default=0, metavar="STEPS",
-                    help="first pretrain the model on the embedded corpus (1024 tokens x 2 a step) and start SFT from it")
+    ap.add_argument("--pretrain", type=pretrain_stages, default=[], metavar="STEPS[@SEQ_LEN],...",
+                    help="first pretrain the model on the embedded corpus (a stage per item; SEQ_LEN tokens, default "
+                         "1024, x 2048 // SEQ_LEN rows a step) and start SFT from it")
     a = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = load_train_config(None, a.preset, [*a.set, "task=sft"])
@@ -95,8 +112,12 @@ def main() -> int:
     t0 = time.perf_counter()
     pretrain_s = None
     if a.pretrain:
-        pre = load_train_config(None, a.preset, [f"stages=[{{seq_len=1024, steps={a.pretrain}, lr=2e-3, batch_size=2, "
-                                                 "warmup=20}]", "task=pretrain"])
+        # the first stage as before (2e-3, cosine after warm-up), later ones at 1e-3 decaying linearly
+        first, later = "lr=2e-3, warmup=20", 'lr=1e-3, warmup=10, schedule="linear"'
+        stages = ", ".join(f"{{seq_len={L}, steps={n}, batch_size={max(1, 2048 // L)}, {later if i else first}}}"
+                           for i, (n, L) in enumerate(a.pretrain))
+        model_sets = [x for x in a.set if x.startswith("model.")]  # the SFT's model is the pretrained one
+        pre = load_train_config(None, a.preset, [*model_sets, f"stages=[{stages}]", "task=pretrain"])
         pre.out_dir = os.path.join(cfg.out_dir, "pretrain")
         Trainer(pre).run(force=True)
         cfg.init_from = pre.out_dir
@@ -122,7 +143,7 @@ def main() -> int:
         "run": cfg.out_dir,  # its final checkpoint, metrics.jsonl and accuracy.png
         "sft": cfg.to_dict()["sft"],
         "steps": summary["step"],
-        "pretrain_steps": a.pretrain,
+        "pretrain_stages": [{"steps": n, "seq_len": L} for n, L in a.pretrain],
         "pretrain_s": pretrain_s,
         "wall_s": round(train_s, 1),  # the job: data, evaluations before and after, training, checkpoint, plots
         "decode_check_s": round(time.perf_counter() - t0 - train_s, 1),
