@@ -113,9 +113,9 @@ def main() -> int:
     pretrain_s = None
     if a.pretrain:
         # the first stage as before (2e-3, cosine after warm-up), later ones at 1e-3 decaying linearly
-        first, later = "lr=2e-3, warmup=20", 'lr=1e-3, warmup=10, schedule="linear"'
-        stages = ", ".join(f"{{seq_len={L}, steps={n}, batch_size={max(1, 2048 // L)}, {later if i else first}}}"
-                           for i, (n, L) in enumerate(a.pretrain))
+        first, later = "lr=2e-3", 'lr=1e-3, schedule="linear"'
+        stages = ", ".join(f"{{seq_len={L}, steps={n}, batch_size={max(1, 2048 // L)}, warmup={min(10 if i else 20, n)}, "
+                           f"{later if i else first}}}" for i, (n, L) in enumerate(a.pretrain))
         model_sets = [x for x in a.set if x.startswith("model.")]  # the SFT's model is the pretrained one
         pre = load_train_config(None, a.preset, [*model_sets, f"stages=[{stages}]", "task=pretrain"])
         pre.out_dir = os.path.join(cfg.out_dir, "pretrain")
