@@ -169,6 +169,12 @@ def stable_hash(name: str) -> int:
     return int.from_bytes(hashlib.sha1(name.encode("utf-8")).digest()[:8], "big")
 
 
+def held_out(keys: list[str], n: int) -> set[int]:
+    """The indices of the `n` keys with the smallest stable hashes (ties in list order): a held-out set that
+    does not depend on the order of the items, only on what their keys say."""
+    return set(sorted(range(len(keys)), key=lambda i: (stable_hash(keys[i]), i))[:n])
+
+
 def split_documents(docs: list[Document], eval_docs: int) -> tuple[list[Document], list[Document]]:
     """Hold out `eval_docs` documents, chosen by a stable hash of their names (not their order).
 
@@ -178,7 +184,7 @@ def split_documents(docs: list[Document], eval_docs: int) -> tuple[list[Document
     if eval_docs <= 0:
         return list(docs), []
     if len(docs) > eval_docs:
-        held = set(sorted(range(len(docs)), key=lambda i: (stable_hash(docs[i].name), i))[:eval_docs])
+        held = held_out([d.name for d in docs], eval_docs)
         return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
     train, held = [], []
     for d in docs:

@@ -31,7 +31,7 @@ import torch
 
 from ..data.chat import EncodedChat, load_template, read_conversations
 from ..data.chat_packing import ChatStream, ConversationList
-from ..data.sources import stable_hash
+from ..data.sources import held_out
 from ..errors import ConfigError, DataError
 
 
@@ -109,8 +109,7 @@ class SFTData:
         n_eval = cfg.data.eval_docs if len(named) > cfg.data.eval_docs else 0
         # by what a conversation says, not where it is: the held-out set does not move with the file's
         # folder or the order of its lines
-        keys = [stable_hash(json.dumps(msgs, sort_keys=True, ensure_ascii=False)) for _, msgs in convs]
-        held = set(sorted(range(len(named)), key=lambda i: (keys[i], i))[:n_eval])
+        held = held_out([json.dumps(msgs, sort_keys=True, ensure_ascii=False) for _, msgs in convs], n_eval)
         train = [x for i, x in enumerate(named) if i not in held]
         self.source = ConversationList([e for _, e in train], cfg.seed, names=[w for w, _ in train])
         for i, st in enumerate(cfg.stages):
