@@ -5,8 +5,9 @@
 
 Problem (the h200-ref indexer): q [1,S,16,64] bf16 (pre-scaled), w [1,S,16] fp32, pooled keys
 [1,S/4,64] bf16, pool 4, top-512 pools (top-2048 tokens). Per S it times the Triton path
-(`ops/indexer/triton.py`, "two_phase": a score kernel into an fp32 [1024, pools] buffer, each row's
-k-th score by torch.topk, the emit kernel), the chunked torch twin (256 queries per pass, up to
+(`ops/indexer/triton.py`, "two_phase": a score kernel into an fp32 [1024, pools] buffer, then one kernel a
+row that finds its k-th score and emits its picks; "two_phase_topk": the same with each row's k-th score by
+torch.topk and an emit kernel that reads the row twice), the chunked torch twin (256 queries per pass, up to
 --torch-max) and the unchunked twin (an fp32 [S,H,NP] workspace) until it runs out of memory (recorded
 as {"oom": true}), records each one's peak memory above the inputs, and checks the Triton path's picks
 against the chunked twin (rows that differ, and whether every difference is a near-tie).
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -40,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from timing import env_record, timed, write_results  # bench/ is on sys.path when run as a script
 
 from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch
-from longctx.ops.indexer.triton import kpool_topk_triton
+from longctx.ops.indexer.triton import ROW_CAP, kpool_topk_triton, select_from_scores_triton
 
 P = 4
 MMA_PEAK = 778e12  # the H200's dense bf16 matmul rate (docs/benchmarks.md, MFU)
@@ -138,7 +140,8 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
     """The Triton path's parts timed on their own, per chunk of queries and its causal width (pools any of
     its queries sees): `score_mm` the bf16 scoring matmul [chunk*H, D] x [D, width] alone (cuBLAS, no ReLU
     or head sum: a lower bound for the score kernel), `topk` torch.topk(k_pools) of a random fp32
-    [chunk, width] buffer (what finds each row's k-th score), `hbm_ms` the bytes of writing and reading
+    [chunk, width] buffer (what finds each row's k-th score), `select_rows` the row kernel's whole selection
+    of the same buffer (k-th score and emit; rows longer than its ROW_CAP left out), `hbm_ms` the bytes of writing and reading
     that buffer once at 4.0 TB/s (computed)."""
     g = torch.Generator(device=dev.name).manual_seed(1)
     widths = [min(S, s0 + chunk) // P for s0 in range(0, S, chunk)]
@@ -158,8 +161,13 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
             if n and k:
                 torch.topk(buf[:, :n], k, dim=-1, sorted=False)
 
+    def rows_all():
+        for n, k in zip(widths, ks):
+            if n and k and triton.next_power_of_2(n) <= ROW_CAP:
+                select_from_scores_triton(buf[None, :, :n], k, method="rows")
+
     out = {"chunk": chunk, "S": S, "heads": H, "head_dim": D, "k_pools": K}
-    for name, fn in (("score_mm", score_all), ("topk", topk_all)):
+    for name, fn in (("score_mm", score_all), ("topk", topk_all), ("select_rows", rows_all)):
         _, first_s, _ = dev.first_call(fn)
         out[f"{name}_ms"], _ = dev.time_ms(fn, first_s, warmup, reps)
     out["hbm_ms"] = 2 * 4 * sum(widths) * chunk / 4.0e12 * 1e3
@@ -169,12 +177,14 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
     return out
 
 
-def two_phase_case(S, H, D, K, dev, warmup, reps, chunk=1024, cfg=None):
-    """The Triton path (score kernel into an fp32 [chunk, pools] buffer, torch.topk's k-th score, the emit
-    kernel): its timing, its output and its inputs."""
+def two_phase_case(S, H, D, K, dev, warmup, reps, chunk=1024, cfg=None, select="triton"):
+    """The Triton path (score kernel into an fp32 [chunk, pools] buffer, then `select`: "triton", the row
+    kernel that finds the k-th score and emits from one read of the row; "topk", torch.topk's k-th score
+    and the emit kernel): its timing, its output and its inputs."""
     q, w, pk = inputs(S, H, D, dev)
-    res, out = run_impl(lambda: kpool_topk_triton(q, w, pk, P, K, chunk=chunk, cfg=cfg), S, H, D, dev, warmup, reps)
-    res.update(chunk=chunk)
+    res, out = run_impl(lambda: kpool_topk_triton(q, w, pk, P, K, chunk=chunk, cfg=cfg, select=select),
+                        S, H, D, dev, warmup, reps)
+    res.update(chunk=chunk, select=select)
     return res, out, (q, w, pk)
 
 
@@ -265,6 +275,12 @@ def main():
             else:
                 case["two_phase"], kout, kin = two_phase_case(S, H, D, K, dev, warmup, reps, chunk=chunk)
                 last["two_phase"] = (case["two_phase"], S)
+                # the same path with torch.topk's k-th score and the two-read emit kernel, in the same run
+                case["two_phase_topk"], tk_out, _ = two_phase_case(S, H, D, K, dev, warmup, reps, chunk=chunk,
+                                                                   select="topk")
+                if kout is not None and tk_out is not None:
+                    case["two_phase_topk"]["rows_differ_from_two_phase"] = int((tk_out != kout).any(-1).sum())
+                del tk_out
             if S > args.torch_max:
                 case["torch_chunk256"] = f"skipped: S > --torch-max {args.torch_max}"
             elif skip := over_budget(*last["torch_chunk256"], S, 1 + reps):

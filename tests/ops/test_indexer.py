@@ -189,9 +189,14 @@ def _run_cases() -> None:
     sc = torch.randint(-3, 4, (2, 37, 150), generator=g).float()
     valid = torch.rand(2, 37, 150, generator=g) < torch.linspace(0, 1, 37)[None, :, None]
     sc = torch.where(valid, sc, float("-inf"))
-    sel_ok = all(torch.equal(select_from_scores_triton(sc, k, block_n=32), select_from_scores(sc, valid, k))
-                 for k in (1, 7, 64, 200))
-    print("RESULT " + json.dumps({"name": "emit_kernel", "equal": bool(sel_ok)}), flush=True)
+    sc[:, ::3, ::5] = torch.where(valid[:, ::3, ::5], -0.0, float("-inf"))  # -0.0 ties with +0.0
+    bad = [(k, m) for k in (1, 7, 64, 200) for m in ("rows", "topk")
+           if not torch.equal(select_from_scores_triton(sc, k, block_n=32, method=m), select_from_scores(sc, valid, k))]
+    # float scores: the row kernel's search runs its steps instead of hitting a count of k at once
+    fl = torch.where(valid, torch.randn(2, 37, 150, generator=g) * 1e3, float("-inf"))
+    bad += [(k, "rows-float") for k in (1, 7, 64) if not torch.equal(
+        select_from_scores_triton(fl, k, method="rows"), select_from_scores(fl, valid, k))]
+    print("RESULT " + json.dumps({"name": "emit_kernel", "equal": not bad, "bad": bad}), flush=True)
 
     # the score kernel's scores against the twin's (fp32 in both; -inf exactly where not selectable),
     # with a query offset and a column count past the pools, then its picks on the same float inputs
@@ -230,7 +235,8 @@ def test_triton_path_matches_twin_exactly(interp_results, case):
 
 
 def test_emit_kernel_matches_select_from_scores(interp_results):
-    """select_from_scores_triton == the twin's select_from_scores on tied scores with -inf anywhere."""
+    """select_from_scores_triton, both its one-kernel row select and its torch.topk + emit path, == the
+    twin's select_from_scores on tied scores (-0.0 and +0.0 among them) with -inf anywhere."""
     pytest.importorskip("triton")
     assert interp_results["emit_kernel"]["equal"], interp_results["emit_kernel"]
 

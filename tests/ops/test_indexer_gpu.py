@@ -71,15 +71,15 @@ def near_tie_gap(out, ref, q, w, pk) -> tuple[int, float]:
     ],
 )
 def test_exact_inputs_match_twin(B, S, H, D, P, K, q_offset, dtype, cfg):
-    """kpool_topk_triton (score kernel, torch.topk's k-th score, emit kernel; and with the twin's selection
-    over the kernel's scores) == the twin, ties included, with a buffer of 1000 queries (not the tiles')."""
+    """kpool_topk_triton (score kernel, then the row-select kernel, or torch.topk's k-th score and the emit
+    kernel, or the twin's selection over the kernel's scores) == the twin, ties included, with a buffer of 1000 queries (not the tiles')."""
     from longctx.ops.indexer import kpool_topk_torch
     from longctx.ops.indexer.triton import kpool_topk_triton
 
     NP = (q_offset + S) // P + 3  # a few pools no query sees yet
     q, w, pk = problem(B, S, H, D, NP, exact=True, dtype=dtype)
     ref = kpool_topk_torch(q, w, pk, P, K, chunk=256, q_offset=q_offset)
-    for chunk, select in ((1024, "triton"), (1000, "triton"), (1000, "torch")):
+    for chunk, select in ((1024, "triton"), (1000, "triton"), (1000, "topk"), (1000, "torch")):
         out = kpool_topk_triton(q, w, pk, P, K, chunk=chunk, q_offset=q_offset, cfg=cfg, select=select)
         assert int((out != ref).any(-1).sum()) == 0, (chunk, select)
 
@@ -100,6 +100,35 @@ def test_random_inputs_match_twin_up_to_rounding(H, D):
     assert n_rows <= S // 100, n_rows  # last-bit score differences flip at most a few rows
     assert gap < 1e-5, (n_rows, gap)
     check_structure(out, P, K)
+
+
+@pytest.mark.parametrize("n", [511, 4097, 32768, 65536, 65537])
+def test_row_select_kernel_matches_twin_on_long_rows(n):
+    """The one-kernel row select (rows up to ROW_CAP scores) and the torch.topk + emit path pick what the
+    twin's selection picks: fp32 scores of several magnitudes with many exact ties, -0.0 beside +0.0,
+    rows from none to all selectable; past ROW_CAP `auto` takes the topk path and "rows" is refused."""
+    from longctx.ops.indexer.naive import select_from_scores
+    from longctx.ops.indexer.triton import ROW_CAP, select_from_scores_triton
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    c, k = 24, 512
+    sc = torch.randn(1, c, n, device="cuda", generator=g) * torch.logspace(-3, 3, c, device="cuda")[None, :, None]
+    sc[:, ::2] = sc[:, ::2].round()  # integer rows: many scores equal the k-th
+    sc[:, 1::4, ::7] = -0.0
+    valid = torch.rand(1, c, n, device="cuda", generator=g) < torch.linspace(0, 1, c, device="cuda")[None, :, None]
+    sc = torch.where(valid, sc, float("-inf"))
+    ref = select_from_scores(sc, valid, k)
+    assert torch.equal(select_from_scores_triton(sc, k, method="topk"), ref)
+    assert torch.equal(select_from_scores_triton(sc, k), ref)
+    if triton_next_pow2(n) <= ROW_CAP:
+        assert torch.equal(select_from_scores_triton(sc, k, method="rows"), ref)
+    else:
+        with pytest.raises(ValueError, match="method='topk'"):
+            select_from_scores_triton(sc, k, method="rows")
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def test_memory_is_one_buffer_of_queries():

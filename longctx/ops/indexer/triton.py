@@ -160,6 +160,72 @@ def _emit_from_scores_kernel(
                  mask=m_ok[:, None] & (offs_k[None, :] >= cnt[:, None]) & (offs_k[None, :] < K))
 
 
+@triton.jit
+def _ordered_key(sc):
+    """fp32 -> uint32 keys in the floats' order (-0.0 was folded into +0.0 by the score kernel)."""
+    bits = sc.to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+
+
+@triton.jit
+def _select_rows_kernel(
+    SC, OUT,
+    stride_sb, stride_ss, stride_ob, stride_os,
+    NC, K,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """OUT[b, t, :K]: `_emit_from_scores_kernel`'s function with the k-th score found in the kernel. One
+    program holds one whole row in registers (one read of it): a search over the scores' uint32 order
+    keys for the largest key T with count(key >= T) >= K, four-way (three counts per step, packed in one
+    int64 sum so a step costs one reduction) and done early where a count is exactly K; then the emit,
+    with prefix sums for the tie ranks and the output slots."""
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    sc = tl.load(SC + b * stride_sb + t * stride_ss + offs, mask=offs < NC, other=float("-inf"))
+    sc = tl.where(sc == 0.0, 0.0, sc)  # -0.0 -> +0.0: equal floats must get equal keys
+    valid = sc != float("-inf")
+    key = tl.where(valid, _ordered_key(sc), 0)  # a valid key is >= 0x00800000 (-FLT_MAX's)
+    n_valid = tl.sum(valid.to(tl.int32), 0)
+    lo = tl.min(tl.where(valid, key, 0xFFFFFFFF), 0).to(tl.int64)
+    hi = tl.max(key, 0).to(tl.int64)
+    if n_valid <= K:  # every valid pool is taken
+        lo = hi * 0 + 1
+        hi = lo
+    # invariant: count(key >= lo) >= K > count(key > hi)
+    while lo < hi:
+        step = tl.maximum((hi - lo + 1) // 4, 1)
+        m1 = tl.minimum(lo + step, hi)
+        m2 = tl.minimum(lo + 2 * step, hi)
+        m3 = tl.minimum(lo + 3 * step, hi)
+        packed = ((key >= m1.to(tl.uint32)).to(tl.int64) + ((key >= m2.to(tl.uint32)).to(tl.int64) << 20)
+                  + ((key >= m3.to(tl.uint32)).to(tl.int64) << 40))
+        cnt = tl.sum(packed, 0)
+        c1 = cnt & 0xFFFFF
+        c2 = (cnt >> 20) & 0xFFFFF
+        c3 = cnt >> 40
+        exact = tl.where(c3 == K, m3, tl.where(c2 == K, m2, tl.where(c1 == K, m1, -1)))
+        if exact >= 0:  # the K-th key is the least key at or above that threshold
+            lo = tl.min(tl.where(key >= exact.to(tl.uint32), key, 0xFFFFFFFF), 0).to(tl.int64)
+            hi = lo
+        else:
+            new_lo = tl.where(c3 >= K, m3, tl.where(c2 >= K, m2, tl.where(c1 >= K, m1, lo)))
+            hi = tl.where(c1 < K, m1 - 1, tl.where(c2 < K, m2 - 1, tl.where(c3 < K, m3 - 1, hi)))
+            lo = new_lo
+    thr = lo.to(tl.uint32)
+    gt = valid & (key > thr)
+    eq = valid & (key == thr)
+    need = K - tl.sum(gt.to(tl.int32), 0)
+    take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
+    slot = tl.cumsum(take.to(tl.int32), 0) - 1
+    out_row = OUT + b * stride_ob + t * stride_os
+    tl.store(out_row + slot, offs, mask=take & (slot < K))
+    n_taken = tl.minimum(tl.sum(take.to(tl.int32), 0), K)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=(offs_k >= n_taken) & (offs_k < K))
+
+
 def _fix_interpreter_loop_bounds() -> None:
     """Let the Triton interpreter loop to a bound computed in the kernel.
 
@@ -226,10 +292,19 @@ def _last_contig(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, block_n: int = 256) -> torch.Tensor:
+ROW_CAP = 65536  # the longest row `_select_rows_kernel` holds in registers (32 warps x 64 keys a thread)
+SELECTS = ("auto", "rows", "topk")
+
+
+def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, block_n: int = 256,
+                              method: str = "auto") -> torch.Tensor:
     """fp32 [B, c, n] scores (-inf = not selectable) -> int32 [B, c, k]: `naive.select_from_scores`'
-    function (top k, ties to the lower pool id, ascending, -1 padded), with each row's k-th score from
-    torch.topk and one Triton kernel for the rest (instead of ~8 torch passes over the scores)."""
+    function (top k, ties to the lower pool id, ascending, -1 padded). `method`: "rows" finds each row's
+    k-th score and emits in one kernel that reads the row once (`_select_rows_kernel`, rows of at most
+    ROW_CAP scores); "topk" takes the k-th score from torch.topk and emits with a second kernel that reads
+    the row twice; "auto" is "rows" where the rows fit, else "topk". Both give the same ids."""
+    if method not in SELECTS:
+        raise ValueError(f"select_from_scores_triton: method={method!r}; use one of {SELECTS}")
     B, c, n = score.shape
     out = torch.empty(B, c, k, dtype=torch.int32, device=score.device)
     if k == 0:
@@ -237,9 +312,20 @@ def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, blo
     if n == 0 or c == 0:
         return out.fill_(-1)
     score = _last_contig(score)
-    kth = score.topk(min(k, n), dim=-1, sorted=False).values.amin(-1).contiguous()  # -inf: fewer than k selectable
     if _interpreting():
         _fix_interpreter_loop_bounds()
+    block = max(16, triton.next_power_of_2(n))
+    if method == "rows" and block > ROW_CAP:
+        raise ValueError(f"select_from_scores_triton: rows of {n} scores exceed method='rows''s {ROW_CAP}; "
+                         f"use method='topk' or 'auto'")
+    if method != "topk" and block <= ROW_CAP:
+        _select_rows_kernel[(c, B)](
+            score, out, score.stride(0), score.stride(1), out.stride(0), out.stride(1), n, k,
+            BLOCK_N=block, BLOCK_K=min(1024, max(16, triton.next_power_of_2(k))),
+            num_warps=min(32, max(4, block // 2048)),
+        )
+        return out
+    kth = score.topk(min(k, n), dim=-1, sorted=False).values.amin(-1).contiguous()  # -inf: fewer than k selectable
     _emit_from_scores_kernel[(triton.cdiv(c, block_m), B)](
         score, kth, out, score.stride(0), score.stride(1), kth.stride(0), out.stride(0), out.stride(1),
         c, n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=4,
@@ -281,8 +367,9 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
                       select: str = "triton") -> torch.Tensor:
     """int32 [B, S, k_pools], the same function as `naive.kpool_topk_torch`: `chunk` queries are scored
     into an fp32 [B, chunk, pools they can see] buffer by the score kernel, then selected by `select`:
-    "triton" (torch.topk's k-th score + the emit kernel) or "torch" (`naive.select_from_scores`, which
-    the tests use to check the score kernel alone).
+    "triton" (`select_from_scores_triton`: one kernel a row where the rows fit, else torch.topk's k-th
+    score and the emit kernel), "topk" (always the latter: the benchmark's baseline) or "torch"
+    (`naive.select_from_scores`, which the tests use to check the score kernel alone).
 
     q [B,S,H,D] and pk [B,NP,D] share bf16/fp16/fp32 (fp32 runs the MMAs in IEEE fp32); w [B,S,H] is read
     as fp32; q_offset is the absolute position of q[:, 0]. `cfg` overrides the tile config (BLOCK_M,
@@ -291,8 +378,8 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
     _check(q, w, pk, pool, k_pools, q_offset)
     if chunk < 1:
         raise ValueError(f"kpool_topk_triton: chunk={chunk}; use a positive number of queries")
-    if select not in ("triton", "torch"):
-        raise ValueError(f"kpool_topk_triton: select={select!r}; use 'triton' or 'torch'")
+    if select not in ("triton", "topk", "torch"):
+        raise ValueError(f"kpool_topk_triton: select={select!r}; use 'triton', 'topk' or 'torch'")
     B, S = q.shape[:2]
     NP = pk.shape[1]
     out = torch.full((B, S, k_pools), -1, dtype=torch.int32, device=q.device)
@@ -304,8 +391,8 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
         if n == 0:
             continue
         score = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg)
-        if select == "triton":
-            out[:, s0:s1] = select_from_scores_triton(score, k_pools)
+        if select != "torch":
+            out[:, s0:s1] = select_from_scores_triton(score, k_pools, method="auto" if select == "triton" else "topk")
         else:
             out[:, s0:s1] = select_from_scores(score, score != float("-inf"), k_pools)
     return out
