@@ -176,6 +176,24 @@ def test_union_bf16_matches_twin_and_per_query_kernel(B, S, H, G, redraw):
     assert _rel(got_k[1], got[1]) <= 1e-2
 
 
+@pytest.mark.parametrize("G", [2, 4, 8])
+def test_union_merge_build_equals_sort_on_the_gpu(G):
+    """The merge build (searchsorted merges, on the device) gives the sort build's Union on CUDA, on
+    persistent_pool_indices (-1 between pools) and on the same rows packed to the front (the indexer's form)."""
+    from longctx.ops.sparse_attention import union as un
+    from longctx.ops.sparse_attention.naive import persistent_pool_indices
+
+    S, K = 5000, 2051
+    g = torch.Generator(device="cuda").manual_seed(G)
+    idx = torch.stack([persistent_pool_indices(S, K, 0.2, generator=g) for _ in range(2)])
+    packed = torch.where(idx >= 0, idx, S).sort(-1).values  # rows ascending, unused slots last
+    for sel in (idx, torch.where(packed < S, packed, -1).to(torch.int32)):
+        sort = un.build_union(sel, G, S, method="sort")
+        merge = un.build_union(sel, G, S, method="merge")
+        assert merge.packed.shape == sort.packed.shape and torch.equal(merge.packed, sort.packed)
+        assert torch.equal(merge.length, sort.length)
+
+
 def test_union_auto_choice_on_the_gpu():
     """The cost model picks a union for neighbours that keep their pools and today's kernel for independent
     ones, and either way the result is today's function."""

@@ -80,6 +80,109 @@ def test_build_union_overlap_and_sizes():
     assert u.packed.shape == (1, 4, K) and bool((u.packed & 255 == 15).all())
 
 
+def _ascending_selections(B, S, K, S_kv, seed):
+    """Selections in the indexer's form (each query's in-range rows strictly ascending) that exercise the
+    merge build: neighbours drawing from one shared set (overlapping groups), a query equal to its
+    neighbour, one disjoint from the rest, one that selects nothing, one with all K slots used, rows 0 and
+    S_kv - 1; the unused slots -1 at the end, or -1 and rows outside [0, S_kv) between the used ones."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.full((B, S, K), -1, dtype=torch.int32)
+    for b in range(B):
+        shared = torch.randperm(S_kv - 4, generator=g)[: 2 * K] + 2  # rows 2 .. S_kv - 3
+        for t in range(S):
+            pick = shared[torch.rand(len(shared), generator=g) < 0.4]
+            if t == 1:
+                pick = torch.cat([pick, torch.tensor([0, S_kv - 1])])
+            if t == 5:
+                pick = torch.tensor([0, 1, S_kv - 2])  # rows no other query holds
+            rows = pick.unique()[:K].to(torch.int32)  # sorted, distinct
+            if t == 3:
+                rows = rows[:0]
+            if t == 7:
+                rows = idx[b, 6][idx[b, 6] >= 0]
+            if t == 9:
+                rows = torch.arange(S_kv - K, S_kv, dtype=torch.int32)
+            n = len(rows)
+            if t % 2 == 0 and n < K:  # unused slots between the used ones, some of them out of range
+                slots = torch.randperm(K, generator=g)[:n].sort().values
+                junk = torch.where(torch.rand(K, generator=g) < 0.3, S_kv + torch.arange(K, dtype=torch.int32), -1)
+                idx[b, t] = junk.to(torch.int32)
+                idx[b, t, slots] = rows
+            else:
+                idx[b, t, :n] = rows
+    return idx
+
+
+def _same_union(a, b):
+    return a.G == b.G and a.S == b.S and a.packed.shape == b.packed.shape and torch.equal(a.packed, b.packed) \
+        and torch.equal(a.length, b.length) and a.packed.dtype == b.packed.dtype and a.length.dtype == b.length.dtype
+
+
+@pytest.mark.parametrize("G", [1, 2, 3, 4, 8])
+def test_merge_build_equals_sort_on_ascending_selections(G):
+    """The merge build (each query's ascending list merged, not sorted) gives the sort build's Union exactly,
+    on ascending selections with -1 padding at the end or in between, out-of-range rows, overlapping,
+    equal and disjoint neighbours, an empty query and a partial last group; in pieces too; and both are
+    the brute-force union."""
+    B, S, K, S_kv = 2, 13, 16, 40
+    idx = _ascending_selections(B, S, K, S_kv, seed=G)
+    sort = un.build_union(idx, G, S_kv, method="sort")
+    merge = un.build_union(idx, G, S_kv, method="merge")  # raises if the check wrongly refused the input
+    assert _same_union(merge, sort), G
+    assert _same_union(un.build_union(idx, G, S_kv), sort)
+    assert _same_union(un.build_union(idx.long(), G, S_kv, method="merge"), sort)
+    assert _same_union(un.build_union(idx, G, S_kv, method="merge", max_elements=3 * G * K), sort)
+    for b in range(B):
+        for n in range(merge.groups):
+            assert _decoded(merge, b, n) == _expected(idx, G, S_kv, b, n), (G, b, n)
+
+
+def test_merge_build_on_indexer_and_trained_like_selections():
+    """On what sparse attention is given: the k-pool indexer's selection (ascending, -1 at the end, the
+    query's tail pool last), its compact/expand round trip, and persistent_pool_indices (-1 between
+    pools): the merge build takes them all and equals the sort build."""
+    from longctx.config import preset
+    from longctx.layers.kpool_indexer import KPoolIndexer
+    from longctx.ops.sparse_attention.naive import persistent_pool_indices
+
+    cfg = preset("tiny").replace(index_topk=32, index_pool=4, index_tail=True)
+    torch.manual_seed(0)
+    ind = KPoolIndexer(cfg, 0)
+    with torch.no_grad():
+        for p in ind.parameters():
+            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    S = 203
+    sel = ind.select(torch.randn(2, S, cfg.hidden_size), torch.randn(2, S, cfg.q_lora_rank))
+    sels = {"indexer": sel, "expanded": ind.expand(ind.compact(sel), 0),
+            "persistent": persistent_pool_indices(300, 131, 0.2, device="cpu",
+                                                  generator=torch.Generator().manual_seed(1))[None]}
+    for name, idx in sels.items():
+        for G in (2, 4, 8):
+            sort = un.build_union(idx, G, idx.shape[1], method="sort")
+            assert _same_union(un.build_union(idx, G, idx.shape[1], method="merge"), sort), (name, G)
+
+
+def test_build_union_sorts_what_the_merge_cannot():
+    """A query that repeats a row, or lists rows out of order, fails the merge build's check: "auto" then
+    builds by the sort (the same Union as method="sort"), "merge" refuses; a single such query in the
+    last piece of a build in pieces is enough."""
+    B, S, K, S_kv = 2, 13, 16, 40
+    base = _ascending_selections(B, S, K, S_kv, seed=11)
+    repeat, unsorted, late = base.clone(), base.clone(), base.clone()
+    repeat[0, 4, 1] = repeat[0, 4, 0] = 17
+    unsorted[1, 2, :3] = torch.tensor([9, 3, 30], dtype=torch.int32)
+    late[1, 12, -2:] = torch.tensor([8, 8], dtype=torch.int32)
+    for idx in (repeat, unsorted, late):
+        for G in (1, 4):
+            grouped = un._grouped(idx, G).reshape(-1, G, K)
+            assert un._union_by_merge(grouped, G, S_kv, 2 * G * K) is None
+            assert _same_union(un.build_union(idx, G, S_kv, max_elements=2 * G * K),
+                               un.build_union(idx, G, S_kv, method="sort"))
+            with pytest.raises(ValueError, match="strictly ascending"):
+                un.build_union(idx, G, S_kv, method="merge")
+    assert un._union_by_merge(un._grouped(base, 4).reshape(-1, 4, K), 4, S_kv, 2 * 4 * K) is not None
+
+
 def test_cost_model_choice():
     """The model's numbers (module docstring): at 16 heads G = 4 is chosen while U_4/k < 1.74, G = 2 while
     U_2/k < 1.35 (and G = 4 is worse); random-init overlap keeps G = 1; 64 heads always 1."""

@@ -16,6 +16,23 @@ the row once per occurrence: the m-th occurrence of row j in any query's list is
 union is over those pairs; each query is then a member of a slot at most once, and a bit is enough.
 Indices outside [0, S_kv) are unused slots, as in the kernel.
 
+The build (`build_union`) takes the selection's form into account. The indexer's selections list each
+query's rows strictly ascending (`KPoolIndexer.select`: the pools ascending, then the query's own
+incomplete pool, -1 after; `persistent_pool_indices` has -1s between the pools too), and for those the
+union is a merge, not a sort (`_union_by_merge`): each query's in-range rows are moved to the front of its
+list in order (a cumsum and a scatter: -1s may sit anywhere) as keys (row << 8) | (1 << g), then log2(G)
+rounds merge pairs of lists (G padded to a power of two with empty lists) with two batched searchsorted
+calls, a_i to i + #(b < a_i) and b_j to j + #(a <= b_j), and a last pass gives each distinct row one slot
+with its keys' bits or-ed (a cumsum over row changes and a scatter-add). Any other selection (a row
+repeated within a query, a list out of order, as `causal_pool_indices`' shuffled slots) is built by one
+sort of each group's G x K keys by (row, query) (`_union_of_groups`), which also counts the repeats. A
+check on the device decides: every list's in-range rows strictly ascending; it is read back in the build's
+one host sync, with the union's width, and when it fails the merge's result is discarded and the sort
+builds the union. This is a choice of algorithm by the input's form, not a fallback between backends:
+both builds give the same Union (same packed, length and width); `method="merge"` or
+`"sort"` forces one (benchmarks, tests). The merge build holds one int32 [groups, G x K] buffer of the whole
+sequence until that sync (the union's width is not known before it).
+
 The cost model (per query, H200, from bench/results/sparse_attention.json at 128k). A program of M rows
 costs c(M) per slot it visits; today's kernel visits k ~ 2051 slots per query at M = H; the union kernel
 visits U_G slots per group of G queries at M = G x H (rows padded to 16 .. 64; more than 64 rows take
@@ -36,9 +53,10 @@ every query of a group to select the same rows); G = 2 breaks even at U_2 / k = 
 the 10% margin below, G = 4 is chosen while U_4 / k < 1.74 and G = 2 while U_2 / k < 1.35. G = 8 at 16
 heads needs two programs per group and never beats G = 4. At H = 64
 only G = 1 has M <= 64 (two programs of 64 rows per group would each re-gather the union and do U_G / k
-times the flops of a kernel that is already MMA-bound), so the model keeps today's kernel. The union is
-built by one segmented sort of G x k int32 keys per group plus a few scans (c_build ~ 0.05 ns a slot,
-est.). G is chosen from U_G / k measured on a sample of 128 windows of 8 queries spread over the
+times the flops of a kernel that is already MMA-bound), so the model keeps today's kernel. The build is
+costed at c_build ~ 0.05 ns a (query, slot), an estimate: the sort build measured 0.30 ns at 32k (20.4 ms,
+docs/design/sparse_attention.md); the merge build's is the build_ms of `bench/sparse_attention.py
+--union-only`. G is chosen from U_G / k measured on a sample of 128 windows of 8 queries spread over the
 sequence, and only where the model predicts at least 10% less time than G = 1 (`choose_group`).
 """
 
@@ -136,15 +154,99 @@ def _grouped(idx: torch.Tensor, G: int) -> torch.Tensor:
     return idx.view(B, NG, G, K)
 
 
-def build_union(idx: torch.Tensor, G: int, S_kv: int, max_elements: int = 1 << 25) -> Union:
-    """The union of every group of G consecutive queries' selections (module docstring). idx [B, S, K]
-    int32/int64; rows must be below MAX_ROWS. Works `max_elements` sorted keys at a time."""
-    if not 1 <= G <= MAX_GROUP:
-        raise ValueError(f"build_union: G={G} must be in 1..{MAX_GROUP}")
-    if S_kv > MAX_ROWS:
-        raise ValueError(f"build_union: S_kv={S_kv} rows exceed the packing's {MAX_ROWS}")
-    B, S, K = idx.shape
-    grouped = _grouped(idx, G).reshape(-1, G, K)
+# ------------------------------------------------------------------- the merge build (ascending selections)
+_SENTINEL = (MAX_ROWS - 1) << ROW_SHIFT  # a key above every row the merge build takes, its bits 0
+
+
+def _merge_lists(x: torch.Tensor, S_kv: int, Gp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, G, K] -> (keys int32 [Gp, R, K], bad: a device bool). List g of group r holds query g's
+    in-range rows as keys (row << 8) | (1 << g) in its order, moved to the front (a stable compaction: the
+    -1 slots may sit anywhere), then _SENTINEL; lists g >= G are empty (G padded to a power of two).
+    bad: some list is not strictly ascending (a repeat, or an unsorted list)."""
+    R, G, K = x.shape
+    xt = x.transpose(0, 1)  # [G, R, K]: list g of every group, so the merge tree's halves are contiguous
+    ok = xt >= 0
+    ok &= xt < S_kv
+    bit = (1 << torch.arange(G, device=x.device, dtype=torch.int32)).view(G, 1, 1)
+    key = torch.where(ok, (xt.to(torch.int32) << ROW_SHIFT) | bit, _SENTINEL)
+    # the compaction: an in-range slot goes to (in-range slots before it), an unused one to n + (unused
+    # slots before it), n the list's in-range slots
+    cv = ok.cumsum(-1, dtype=torch.int32)
+    n = cv[..., -1:].clone()
+    cv -= 1
+    unused = n + torch.arange(-1, K - 1, device=x.device, dtype=torch.int32)
+    unused -= cv
+    keys = torch.empty(Gp, R, K, device=x.device, dtype=torch.int32)
+    keys[:G].scatter_(2, torch.where(ok, cv, unused).long(), key)
+    if Gp > G:
+        keys[G:] = _SENTINEL
+    # strictly ascending in-range rows <=> the only non-increasing neighbours are pairs of sentinels,
+    # K - 1 - n of them a list (a count, not a mask of the violations)
+    ties = torch.count_nonzero(keys[:G, :, 1:] <= keys[:G, :, :-1])
+    return keys, ties != (K - 1 - n).clamp(min=0).sum()
+
+
+def _merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two batches of ascending key lists [h, R, L] -> their merges [h, R, 2L]: a_i goes to i + #(b < a_i),
+    b_j to j + #(a <= b_j), a permutation of 0 .. 2L-1 (the sentinels of both included), so nothing is
+    filled. A row two lists share becomes two neighbouring keys (its bits differ); `_dedup` joins them."""
+    h, R, L = a.shape
+    ar = torch.arange(L, device=a.device)
+    out = torch.empty(h, R, 2 * L, device=a.device, dtype=a.dtype)
+    out.scatter_(2, torch.searchsorted(b, a, side="left").add_(ar), a)
+    out.scatter_(2, torch.searchsorted(a, b, side="right").add_(ar), b)
+    return out
+
+
+def _dedup(m: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """m [R, W]: merged keys, ascending, sentinels last -> `out` [R, W] (zeros) holds each distinct row once,
+    its bits or-ed (the bits of one row's keys are disjoint: a sum is an or), in the first `length` slots;
+    what lies past `length` is not -1 yet. Returns length, int32 [R]."""
+    R, W = m.shape
+    new = torch.empty(R, W, device=m.device, dtype=torch.bool)
+    new[:, 0] = False
+    torch.ge(m[:, 1:] ^ m[:, :-1], 1 << ROW_SHIFT, out=new[:, 1:])  # the row changes (keys are >= 0)
+    slot = new.cumsum(1, dtype=torch.int32)
+    new[:, 0] = True
+    out.scatter_add_(1, slot.long(), torch.where(new, m, m & 255))  # the first key of a row, the others' bits
+    return slot[:, -1] + (m[:, -1] != _SENTINEL)  # the sentinels' slot (if any) is the length
+
+
+def _union_by_merge(grouped: torch.Tensor, G: int, S_kv: int, max_elements: int):
+    """The union of `grouped` [R, G, K] by merging each query's ascending list (the module docstring's merge
+    build) -> (packed int32 [R, width], length int32 [R]), or None when some query's in-range rows are not
+    strictly ascending (then `_union_by_sort` builds it). One host sync: the widest group and the check."""
+    R, _, K = grouped.shape
+    Gp = 1 << (G - 1).bit_length()
+    W = Gp * K
+    full = torch.zeros(R, W, device=grouped.device, dtype=torch.int32)
+    length = torch.empty(R, device=grouped.device, dtype=torch.int32)
+    bad = torch.zeros((), device=grouped.device, dtype=torch.bool)
+    step = max(1, max_elements // max(1, W))
+    for r0 in range(0, R, step):
+        r1 = min(R, r0 + step)
+        m, b = _merge_lists(grouped[r0:r1], S_kv, Gp)
+        bad |= b
+        while m.shape[0] > 1:
+            h = m.shape[0] // 2
+            m = _merge(m[:h], m[h:])
+        if Gp == 1:  # one query a group: its compacted list is the union
+            full[r0:r1] = m[0]
+            length[r0:r1] = (m[0] != _SENTINEL).sum(1)
+        else:
+            length[r0:r1] = _dedup(m[0], full[r0:r1])
+    top, is_bad = torch.stack([length.max(), bad.to(torch.int32)]).tolist()
+    if is_bad:
+        return None
+    width = max(1, top)
+    packed = torch.where(torch.arange(width, device=full.device) < length[:, None], full[:, :width], -1)
+    return packed, length
+
+
+def _union_by_sort(grouped: torch.Tensor, G: int, S_kv: int, max_elements: int):
+    """The union of `grouped` [R, G, K] by one sort of each group's G K keys (`_union_of_groups`), for any
+    selections -> (packed int32 [R, width], length int32 [R]). A host sync per `max_elements` keys."""
+    K = grouped.shape[2]
     step = max(1, max_elements // max(1, G * K))
     parts, lengths = [], []
     for r0 in range(0, grouped.shape[0], step):
@@ -154,10 +256,39 @@ def build_union(idx: torch.Tensor, G: int, S_kv: int, max_elements: int = 1 << 2
         lengths.append(n)
     width = max(p.shape[1] for p in parts) if parts else 1
     packed = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in parts], 0) if parts \
-        else idx.new_full((0, 1), -1, dtype=torch.int32)
-    length = torch.cat(lengths) if lengths else idx.new_zeros(0, dtype=torch.int64)
+        else grouped.new_full((0, 1), -1, dtype=torch.int32)
+    length = torch.cat(lengths) if lengths else grouped.new_zeros(0, dtype=torch.int64)
+    return packed, length.to(torch.int32)
+
+
+BUILDS = ("auto", "merge", "sort")
+
+
+def build_union(idx: torch.Tensor, G: int, S_kv: int, max_elements: int = 1 << 25, method: str = "auto") -> Union:
+    """The union of every group of G consecutive queries' selections (module docstring). idx [B, S, K]
+    int32/int64; rows must be below MAX_ROWS. Works on `max_elements` keys at a time.
+
+    method: "auto" merges when every query's in-range rows are strictly ascending (the indexer's output;
+    checked on the device, read back with the union's width in the build's one host sync) and sorts
+    otherwise; "merge" raises on selections that are not; "sort" always sorts. All give the same Union."""
+    if not 1 <= G <= MAX_GROUP:
+        raise ValueError(f"build_union: G={G} must be in 1..{MAX_GROUP}")
+    if S_kv > MAX_ROWS:
+        raise ValueError(f"build_union: S_kv={S_kv} rows exceed the packing's {MAX_ROWS}")
+    if method not in BUILDS:
+        raise ValueError(f"build_union: method={method!r} must be one of {BUILDS}")
+    B, S, K = idx.shape
     NG = -(-S // G)
-    return Union(G=G, S=S, packed=packed.view(B, NG, width).contiguous(), length=length.view(B, NG).to(torch.int32))
+    grouped = _grouped(idx, G).reshape(-1, G, K)
+    res = None
+    if method != "sort" and grouped.numel():
+        if S_kv < MAX_ROWS:  # the merge's sentinel is row MAX_ROWS - 1
+            res = _union_by_merge(grouped, G, S_kv, max_elements)
+        if res is None and method == "merge":
+            raise ValueError(f"build_union: method='merge' needs S_kv < {MAX_ROWS} and every query's rows in "
+                             "[0, S_kv) strictly ascending")
+    packed, length = res if res is not None else _union_by_sort(grouped, G, S_kv, max_elements)
+    return Union(G=G, S=S, packed=packed.view(B, NG, packed.shape[1]).contiguous(), length=length.view(B, NG))
 
 
 def union_sizes(idx: torch.Tensor, S_kv: int, groups=(2, 4, 8), windows: int | None = SAMPLE_WINDOWS) -> dict:
@@ -214,9 +345,9 @@ def choose_group(H: int, ratios: dict) -> int:
 
 def resolve_group(idx: torch.Tensor, H: int, S_kv: int, group: int | str | None = None) -> int:
     """G for one call: `group` if given (an int or "auto": the cost model on the measured union sizes),
-    else $LONGCTX_SPARSE_GROUP, else 1: on the measured selections the union's build costs about
-    what its kernels save (docs/design/sparse_attention.md), and "auto" costs one host sync per call for
-    the union sample. Shapes the union cannot take get 1."""
+    else $LONGCTX_SPARSE_GROUP, else 1: on the GPU measurement (docs/design/sparse_attention.md, with the
+    sort build) the union's build cost about what its kernels save, and "auto" costs one host sync per call
+    for the union sample. Shapes the union cannot take get 1."""
     if group is None:
         group = os.environ.get(ENV, "1")
     if isinstance(group, str) and group != "auto":
