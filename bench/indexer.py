@@ -74,9 +74,14 @@ class Dev:
         return out, sec, peak
 
     def time_ms(self, fn, first_s: float, warmup: int, reps: int) -> tuple[float, int]:
-        """Median ms; slow calls (> 2 s once warm) get one rep and no extra warm-up."""
+        """Median ms; slow calls (> 2 s once warm) get one rep and no extra warm-up. A first call over 2 s
+        (compiling) is followed by one more to see whether the call itself is slow."""
         if first_s > 2.0:
-            warmup, reps = 0, 1
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            if time.perf_counter() - t0 > 2.0:
+                warmup, reps = 0, 1
         if self.cpu:
             ms = []
             for _ in range(reps):
@@ -170,6 +175,17 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
     for name, fn in (("score_mm", score_all), ("topk", topk_all), ("select_rows", rows_all)):
         _, first_s, _ = dev.first_call(fn)
         out[f"{name}_ms"], _ = dev.time_ms(fn, first_s, warmup, reps)
+    # the two selections by row width (1,024 rows of one width each): where the row kernel stops winning
+    out["select_by_width"] = []
+    for n in sorted({min(wmax, 1 << e) for e in range(11, 17)}):
+        if n < K or triton.next_power_of_2(n) > ROW_CAP:
+            continue
+        r = {"width": n}
+        for name, m in (("rows_ms", "rows"), ("topk_ms", "topk")):
+            fn = lambda: select_from_scores_triton(buf[None, :, :n], K, method=m)  # noqa: E731
+            _, first_s, _ = dev.first_call(fn)
+            r[name], _ = dev.time_ms(fn, first_s, warmup, reps)
+        out["select_by_width"].append(r)
     out["hbm_ms"] = 2 * 4 * sum(widths) * chunk / 4.0e12 * 1e3
     fl = floor_ms(S, H, D)
     out["floor_ms"] = fl

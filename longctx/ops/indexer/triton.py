@@ -293,6 +293,7 @@ def _last_contig(x: torch.Tensor) -> torch.Tensor:
 
 
 ROW_CAP = 65536  # the longest row `_select_rows_kernel` holds in registers (32 warps x 64 keys a thread)
+ROW_AUTO = 8192  # "auto" takes the row kernel up to rows this long: past it torch.topk + emit is faster (H200)
 SELECTS = ("auto", "rows", "topk")
 
 
@@ -302,7 +303,8 @@ def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, blo
     function (top k, ties to the lower pool id, ascending, -1 padded). `method`: "rows" finds each row's
     k-th score and emits in one kernel that reads the row once (`_select_rows_kernel`, rows of at most
     ROW_CAP scores); "topk" takes the k-th score from torch.topk and emits with a second kernel that reads
-    the row twice; "auto" is "rows" where the rows fit, else "topk". Both give the same ids."""
+    the row twice; "auto" is "rows" for rows of at most ROW_AUTO scores, where it is the faster on the
+    H200 (bench/indexer.py --probe, `select_by_width`), else "topk". Both give the same ids."""
     if method not in SELECTS:
         raise ValueError(f"select_from_scores_triton: method={method!r}; use one of {SELECTS}")
     B, c, n = score.shape
@@ -318,7 +320,7 @@ def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, blo
     if method == "rows" and block > ROW_CAP:
         raise ValueError(f"select_from_scores_triton: rows of {n} scores exceed method='rows''s {ROW_CAP}; "
                          f"use method='topk' or 'auto'")
-    if method != "topk" and block <= ROW_CAP:
+    if method == "rows" or (method == "auto" and block <= ROW_AUTO):
         _select_rows_kernel[(c, B)](
             score, out, score.stride(0), score.stride(1), out.stride(0), out.stride(1), n, k,
             BLOCK_N=block, BLOCK_K=min(1024, max(16, triton.next_power_of_2(k))),
