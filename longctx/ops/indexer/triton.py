@@ -1,6 +1,6 @@
 """The k-pool indexer's Triton path, in two phases: a score kernel writes a block of queries' fp32 scores
-against every pool into a buffer, each row's k-th score comes from torch.topk, and an emit kernel picks
-the pools (those above the k-th score, then the ones equal to it in pool order).
+against every pool into a buffer, then a selection picks each row's pools (those above its k-th score,
+then the ones equal to it in pool order).
 
 Same function as `naive.kpool_topk_torch` (ascending int32 pool ids, -1 padded, ties to the lower pool
 id): on inputs whose fp32 scores are exact the ids equal the twin's id for id.
@@ -10,10 +10,16 @@ scores, recomputing every tile on each of its ~4 passes) keeps only its output, 
 ~10% of the MMA rate, its epilogue (ReLU, weighting, head sum, histogram) dominating: 293.8 ms at 128k
 tokens on the H200 against 92.6 ms here, with the same picks on every row. Here the tiles are scored
 once (MMA, ReLU, weighted head sum; a strip of pool tiles per program so q stays in registers) into
-O(chunk x pools) memory, and the emit kernel reads the buffer twice once the k-th score is known. Half
-of the time is torch.topk finding each row's k-th score; a radix k-th select of our own is exact but no
-faster (44.2 ms against topk's 44.8 at 128k), so topk stays. docs/design/indexer.md has the floor and
-what would approach it.
+O(chunk x pools) memory.
+
+The selection, two ways with the same result. Rows of up to ROW_AUTO scores go to one kernel a row that
+holds the row in registers, finds its k-th score by a four-way search over order-preserving uint32 keys
+and emits with prefix sums: one read of the row. Longer rows take torch.topk's k-th score and an emit
+kernel that reads the row twice: at 32,768-score rows (128k tokens) the row kernel's ~16 whole-row
+reductions across 16 warps cost more than topk (73.9 against 46.3 ms for the whole 128k selection on
+the H200), at 8,192-score rows (32k tokens) less (3.2 against 4.7 ms). A radix k-th select of our own
+over the buffer is exact but no faster than topk (44.2 ms against 44.8 at 128k). docs/design/indexer.md
+has the floor and what would approach it.
 
 Runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (the CPU tests do that).
 Shapes it cannot take raise a ValueError naming the shape.
