@@ -102,7 +102,7 @@ def test_random_inputs_match_twin_up_to_rounding(H, D):
     check_structure(out, P, K)
 
 
-@pytest.mark.parametrize("n", [511, 4097, 32768, 65536, 65537])
+@pytest.mark.parametrize("n", [511, 4097, 16384, 32768, 32769])
 def test_row_select_kernel_matches_twin_on_long_rows(n):
     """The one-kernel row select (rows up to ROW_CAP scores) and the torch.topk + emit path pick what the
     twin's selection picks: fp32 scores of several magnitudes with many exact ties, -0.0 beside +0.0,

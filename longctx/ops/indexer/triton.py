@@ -15,11 +15,11 @@ O(chunk x pools) memory.
 The selection, two ways with the same result. Rows of up to ROW_AUTO scores go to one kernel a row that
 holds the row in registers, finds its k-th score by a four-way search over order-preserving uint32 keys
 and emits with prefix sums: one read of the row. Longer rows take torch.topk's k-th score and an emit
-kernel that reads the row twice: at 32,768-score rows (128k tokens) the row kernel's ~16 whole-row
-reductions across 16 warps cost more than topk (73.9 against 46.3 ms for the whole 128k selection on
-the H200), at 8,192-score rows (32k tokens) less (3.2 against 4.7 ms). A radix k-th select of our own
-over the buffer is exact but no faster than topk (44.2 ms against 44.8 at 128k). docs/design/indexer.md
-has the floor and what would approach it.
+kernel that reads the row twice. On the H200, 1,024 rows of k = 512 (bench/indexer.py --probe,
+`select_by_width`): 0.23 against 0.46 ms at 8,192 scores a row, 0.37 against 0.59 at 16,384, 1.08
+against 0.89 at 32,768, where the row kernel's ~16 whole-row reductions across 16 warps cost more than
+topk. A radix k-th select of our own over the buffer is exact but no faster than topk (44.2 ms against
+44.8 at 128k). docs/design/indexer.md has the floor and what would approach it.
 
 Runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (the CPU tests do that).
 Shapes it cannot take raise a ValueError naming the shape.
@@ -298,8 +298,8 @@ def _last_contig(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-ROW_CAP = 65536  # the longest row `_select_rows_kernel` holds in registers (32 warps x 64 keys a thread)
-ROW_AUTO = 8192  # "auto" takes the row kernel up to rows this long: past it torch.topk + emit is faster (H200)
+ROW_CAP = 32768  # the longest row `_select_rows_kernel` holds in registers (16 warps x 64 keys a thread)
+ROW_AUTO = 16384  # "auto" takes the row kernel up to rows this long: past it torch.topk + emit is faster (H200)
 SELECTS = ("auto", "rows", "topk")
 
 
