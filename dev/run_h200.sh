@@ -52,7 +52,7 @@ tests)
   for f in ${GPU_TESTS:-$GPU_TEST_FILES}; do
     case "$f" in */*) ;; *) f=$(ls tests/test_${f}_gpu.py tests/*/test_${f}_gpu.py 2>/dev/null | head -1) ;; esac
     echo "=== $f" >> "$OUT/gpu_tests.log"
-    t=${TEST_S:-200}; case "$f" in *sequence_chunks*) [ -z "${TEST_S:-}" ] && t=420 ;; esac
+    t=${TEST_S:-200}; case "$f" in *sequence_chunks*) [ -z "${TEST_S:-}" ] && t=420 ;; *indexer_gpu*) [ -z "${TEST_S:-}" ] && t=300 ;; esac
     timeout $(left $t) python -m pytest -q -rfE --tb=short -s --durations=0 -o faulthandler_timeout=240 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} "$f" >> "$OUT/gpu_tests.log" 2>&1
     echo "=== $f: exit $?" | tee -a "$OUT/gpu_tests.log"
   done

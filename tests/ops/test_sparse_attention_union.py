@@ -184,14 +184,15 @@ def test_build_union_sorts_what_the_merge_cannot():
 
 
 def test_cost_model_choice():
-    """The model's numbers (module docstring): at 16 heads G = 4 is chosen while U_4/k < 1.74, G = 2 while
-    U_2/k < 1.35 (and G = 4 is worse); random-init overlap keeps G = 1; 64 heads always 1."""
+    """The model's numbers (module docstring): at 16 heads G = 4 is chosen while U_4/k < 1.61, G = 2 while
+    U_2/k < 1.26 (and G = 4 is worse); random-init overlap keeps G = 1; 64 heads always 1."""
     t1 = un.predicted_ns_per_query(1, 16, 1.0)
     assert t1 == pytest.approx(2051 * (0.267 + 1.330))
     assert un.predicted_ns_per_query(4, 16, 1.0) == pytest.approx(2051 * ((0.690 + 2.505) / 4 + un.COST_BUILD))
     assert un.choose_group(16, {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.6}) == 4
     assert un.choose_group(16, {1: 1.0, 2: 1.9, 4: 3.5, 8: 6.5}) == 1
-    assert un.choose_group(16, {1: 1.0, 2: 1.3, 4: 2.5, 8: 4.0}) == 2
+    assert un.choose_group(16, {1: 1.0, 2: 1.2, 4: 2.5, 8: 4.0}) == 2
+    assert un.choose_group(16, {1: 1.0, 2: 1.3, 4: 2.5, 8: 4.0}) == 1
     assert un.choose_group(64, {1: 1.0, 2: 1.0, 4: 1.0}) == 1
     idx = torch.arange(8, dtype=torch.int32).expand(1, 64, 8).contiguous()
     assert un.resolve_group(idx, 16, 100, group="auto") == 4  # identical neighbours: U_G = k
@@ -205,7 +206,7 @@ def test_cost_model_choice():
 def test_env_forces_group(monkeypatch):
     idx = torch.arange(8, dtype=torch.int32).expand(1, 64, 8).contiguous()
     monkeypatch.delenv(un.ENV, raising=False)
-    assert un.resolve_group(idx, 16, 100) == 1  # opt-in until the GPU run (docs/design/sparse_attention.md)
+    assert un.resolve_group(idx, 16, 100) == 1  # opt-in: its measured gain does not pay for auto's sync (docs/design/sparse_attention.md)
     monkeypatch.setenv(un.ENV, "1")
     assert un.resolve_group(idx, 16, 100) == 1
     monkeypatch.setenv(un.ENV, "auto")

@@ -50,13 +50,12 @@ U_G / G rows of 1 KB instead of k, and dKV atomics per query are U_G / G instead
 read-modify-write each). At H = 16 that is t(1) = 1.597 k ns against t(4) = 0.799 (U_4 / k) k and
 t(2) = 1.025 (U_2 / k) k: G = 4 breaks even at U_4 / k = 2.0 and is 2.0 / (U_4 / k) x faster (so 2x needs
 every query of a group to select the same rows); G = 2 breaks even at U_2 / k = 1.56; with the build and
-the 10% margin below, G = 4 is chosen while U_4 / k < 1.74 and G = 2 while U_2 / k < 1.35. G = 8 at 16
+the 10% margin below, G = 4 is chosen while U_4 / k < 1.61 and G = 2 while U_2 / k < 1.26. G = 8 at 16
 heads needs two programs per group and never beats G = 4. At H = 64
 only G = 1 has M <= 64 (two programs of 64 rows per group would each re-gather the union and do U_G / k
 times the flops of a kernel that is already MMA-bound), so the model keeps today's kernel. The build is
-costed at c_build ~ 0.05 ns a (query, slot), an estimate: the sort build measured 0.30 ns at 32k (20.4 ms,
-docs/design/sparse_attention.md); the merge build's is the build_ms of `bench/sparse_attention.py
---union-only`. G is chosen from U_G / k measured on a sample of 128 windows of 8 queries spread over the
+costed at c_build = 0.15 ns a (query, slot), the merge build's on the H200 (10.1 ms at 32k, 38.9 ms at
+128k on trained-like selections, `bench/sparse_attention.py --union-only`; the sort build's was 0.30 ns). G is chosen from U_G / k measured on a sample of 128 windows of 8 queries spread over the
 sequence, and only where the model predicts at least 10% less time than G = 1 (`choose_group`).
 """
 
@@ -78,7 +77,7 @@ ENV = "LONGCTX_SPARSE_GROUP"  # "1", "2", "4", "8" or "auto": overrides the choi
 # ns per (program, slot) on the H200 by program rows M, and the union's construction per (query, slot)
 COST_FWD = {16: 0.267, 32: 0.45, 64: 0.690}
 COST_BWD = {16: 1.330, 32: 1.60, 64: 2.505}
-COST_BUILD = 0.05
+COST_BUILD = 0.15
 MARGIN = 0.9  # leave G = 1 only for a predicted gain of at least 10%
 SAMPLE_WINDOWS = 128
 _INT32_MAX = 2**31 - 1
