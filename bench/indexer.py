@@ -146,7 +146,8 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
     its queries sees): `score_mm` the bf16 scoring matmul [chunk*H, D] x [D, width] alone (cuBLAS, no ReLU
     or head sum: a lower bound for the score kernel), `topk` torch.topk(k_pools) of a random fp32
     [chunk, width] buffer (what finds each row's k-th score), `select_rows` the row kernel's whole selection
-    of the same buffer (k-th score and emit; rows longer than its ROW_CAP left out), `hbm_ms` the bytes of writing and reading
+    of the same buffer (k-th score and emit; rows longer than its ROW_CAP left out), `select_by_width` the
+    row kernel and topk + emit on 1,024 rows of one width each, `hbm_ms` the bytes of writing and reading
     that buffer once at 4.0 TB/s (computed)."""
     g = torch.Generator(device=dev.name).manual_seed(1)
     widths = [min(S, s0 + chunk) // P for s0 in range(0, S, chunk)]

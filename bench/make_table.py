@@ -111,7 +111,8 @@ def indexer_rows() -> list[dict]:
     tp = c["two_phase"]
     return [row("indexer (top-2048 of 128k, default path) within 4x of its scoring matmul's floor",
                 f"{tp['x_floor']:.1f}x ({tp['ms']:.1f} ms against {c['floor_ms']:.2f}"
-                + (f"; {c['two_phase_topk']['ms']:.1f} ms with every row through topk + emit" if "two_phase_topk" in c else "")
+                + (f"; {c['two_phase_topk']['ms']:.1f} ms with every row through topk + emit"
+                   if "two_phase_topk" in c else "")
                 + ")", verdict(tp["x_floor"] <= 4),
                 prov(d), rerun(d["command"]))]
 

@@ -72,7 +72,8 @@ def near_tie_gap(out, ref, q, w, pk) -> tuple[int, float]:
 )
 def test_exact_inputs_match_twin(B, S, H, D, P, K, q_offset, dtype, cfg):
     """kpool_topk_triton (score kernel, then the row-select kernel, or torch.topk's k-th score and the emit
-    kernel, or the twin's selection over the kernel's scores) == the twin, ties included, with a buffer of 1000 queries (not the tiles')."""
+    kernel, or the twin's selection over the kernel's scores) == the twin, ties included, with a buffer of
+    1000 queries (not the tiles')."""
     from longctx.ops.indexer import kpool_topk_torch
     from longctx.ops.indexer.triton import kpool_topk_triton
 

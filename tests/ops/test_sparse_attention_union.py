@@ -206,7 +206,8 @@ def test_cost_model_choice():
 def test_env_forces_group(monkeypatch):
     idx = torch.arange(8, dtype=torch.int32).expand(1, 64, 8).contiguous()
     monkeypatch.delenv(un.ENV, raising=False)
-    assert un.resolve_group(idx, 16, 100) == 1  # opt-in: its measured gain does not pay for auto's sync (docs/design/sparse_attention.md)
+    # opt-in: its measured gain does not pay for auto's sync (docs/design/sparse_attention.md)
+    assert un.resolve_group(idx, 16, 100) == 1
     monkeypatch.setenv(un.ENV, "1")
     assert un.resolve_group(idx, 16, 100) == 1
     monkeypatch.setenv(un.ENV, "auto")

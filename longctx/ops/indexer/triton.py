@@ -16,8 +16,8 @@ The selection, two ways with the same result. Rows of up to ROW_AUTO scores go t
 holds the row in registers, finds its k-th score by a four-way search over order-preserving uint32 keys
 and emits with prefix sums: one read of the row. Longer rows take torch.topk's k-th score and an emit
 kernel that reads the row twice. On the H200, 1,024 rows of k = 512 (bench/indexer.py --probe,
-`select_by_width`): 0.23 against 0.46 ms at 8,192 scores a row, 0.37 against 0.59 at 16,384, 1.08
-against 0.89 at 32,768, where the row kernel's ~16 whole-row reductions across 16 warps cost more than
+`select_by_width`): 0.16 against 0.29 ms at 8,192 scores a row, 0.37 against 0.59 at 16,384, 1.10
+against 0.88 at 32,768, where the row kernel's ~16 whole-row reductions across 16 warps cost more than
 topk. A radix k-th select of our own over the buffer is exact but no faster than topk (44.2 ms against
 44.8 at 128k). docs/design/indexer.md has the floor and what would approach it.
 

@@ -55,8 +55,9 @@ heads needs two programs per group and never beats G = 4. At H = 64
 only G = 1 has M <= 64 (two programs of 64 rows per group would each re-gather the union and do U_G / k
 times the flops of a kernel that is already MMA-bound), so the model keeps today's kernel. The build is
 costed at c_build = 0.15 ns a (query, slot), the merge build's on the H200 (10.1 ms at 32k, 38.9 ms at
-128k on trained-like selections, `bench/sparse_attention.py --union-only`; the sort build's was 0.30 ns). G is chosen from U_G / k measured on a sample of 128 windows of 8 queries spread over the
-sequence, and only where the model predicts at least 10% less time than G = 1 (`choose_group`).
+128k on trained-like selections, `bench/sparse_attention.py --union-only`). G is chosen from U_G / k
+measured on a sample of 128 windows of 8 queries spread over the sequence, and only where the model
+predicts at least 10% less time than G = 1 (`choose_group`).
 """
 
 from __future__ import annotations
@@ -344,9 +345,9 @@ def choose_group(H: int, ratios: dict) -> int:
 
 def resolve_group(idx: torch.Tensor, H: int, S_kv: int, group: int | str | None = None) -> int:
     """G for one call: `group` if given (an int or "auto": the cost model on the measured union sizes),
-    else $LONGCTX_SPARSE_GROUP, else 1: on the GPU measurement (docs/design/sparse_attention.md, with the
-    sort build) the union's build cost about what its kernels save, and "auto" costs one host sync per call
-    for the union sample. Shapes the union cannot take get 1."""
+    else $LONGCTX_SPARSE_GROUP, else 1: where the model picks G = 4 (trained-like selections) it is 6-13%
+    faster on the H200 (docs/design/sparse_attention.md), which does not pay for "auto"'s host sync per
+    call for the union sample. Shapes the union cannot take get 1."""
     if group is None:
         group = os.environ.get(ENV, "1")
     if isinstance(group, str) and group != "auto":
