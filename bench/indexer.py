@@ -42,7 +42,15 @@ sys.path.insert(0, str(ROOT))
 from timing import env_record, timed, write_results  # bench/ is on sys.path when run as a script
 
 from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch
-from longctx.ops.indexer.triton import ROW_CAP, kpool_topk_triton, select_from_scores_triton
+from longctx.ops.indexer.triton import (
+    GROUP,
+    ROW_CAP,
+    compact_candidates,
+    compact_group,
+    group_maxima,
+    kpool_topk_triton,
+    select_from_scores_triton,
+)
 
 P = 4
 MMA_PEAK = 778e12  # the H200's dense bf16 matmul rate (docs/benchmarks.md, MFU)
@@ -177,21 +185,53 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
         _, first_s, _ = dev.first_call(fn)
         out[f"{name}_ms"], _ = dev.time_ms(fn, first_s, warmup, reps)
     # the two selections by row width (1,024 rows of one width each): where the row kernel stops winning
-    out["select_by_width"] = []
-    for n in sorted({min(wmax, 1 << e) for e in range(11, 17)}):
-        if n < K or triton.next_power_of_2(n) > ROW_CAP:
-            continue
-        r = {"width": n}
-        for name, m in (("rows_ms", "rows"), ("topk_ms", "topk")):
-            fn = lambda: select_from_scores_triton(buf[None, :, :n], K, method=m)  # noqa: E731
-            _, first_s, _ = dev.first_call(fn)
-            r[name], _ = dev.time_ms(fn, first_s, warmup, reps)
-        out["select_by_width"].append(r)
+    out["select_by_width"] = select_by_width(K, dev, chunk, [n for n in sorted({min(wmax, 1 << e) for e in range(11, 17)})
+                                                             if n >= K], warmup, reps)
     out["hbm_ms"] = 2 * 4 * sum(widths) * chunk / 4.0e12 * 1e3
     fl = floor_ms(S, H, D)
     out["floor_ms"] = fl
     out["sum_x_floor"] = (out["score_mm_ms"] + out["topk_ms"] + out["hbm_ms"]) / fl
     return out
+
+
+def select_by_width(K, dev, rows, widths, warmup=1, reps=3) -> list[dict]:
+    """Each selection method on `rows` random fp32 rows of one width each (k = K): the row kernel (rows of
+    up to ROW_CAP), "compact" given the group maxima the score kernel writes (`compact_ms`; torch's
+    group maxima, which the score kernel saves, timed apart as `group_maxima_ms`) with its candidates a
+    row, and torch.topk's k-th score + emit. "rising" rows add a ramp over the pool ids (the best pools
+    packed into the row's last groups, as a strong recency bias would), which "compact" likes least."""
+    g = torch.Generator(device=dev.name).manual_seed(2)
+    res = []
+    for n in widths:
+        buf = torch.randn(1, rows, n, device=dev.name, generator=g)
+        r = {"width": n, "rows": rows}
+
+        def timed_ms(fn):
+            _, first_s, _ = dev.first_call(fn)
+            return dev.time_ms(fn, first_s, warmup, reps)[0]
+
+        if triton.next_power_of_2(n) <= ROW_CAP:
+            r["rows_ms"] = timed_ms(lambda: select_from_scores_triton(buf, K, method="rows"))
+        group = compact_group(n, K)
+        if group is not None:
+            gm = group_maxima(buf, GROUP)
+            r["group"] = group
+            r["group_maxima_ms"] = timed_ms(lambda: group_maxima(buf, GROUP))
+            r["compact_ms"] = timed_ms(lambda: select_from_scores_triton(buf, K, method="compact", gmax=gm))
+            cnt = compact_candidates(buf, K, gm).float()
+            r["candidates_mean"], r["candidates_max"] = float(cnt.mean()), int(cnt.max())
+            rising = buf + torch.linspace(0, 8, n, device=dev.name)
+            gm_r = group_maxima(rising, GROUP)
+            r["compact_rising_ms"] = timed_ms(lambda: select_from_scores_triton(rising, K, method="compact", gmax=gm_r))
+            cnt = compact_candidates(rising, K, gm_r).float()
+            r["candidates_rising_mean"], r["candidates_rising_max"] = float(cnt.mean()), int(cnt.max())
+            del rising, gm_r, gm
+        r["topk_ms"] = timed_ms(lambda: select_from_scores_triton(buf, K, method="topk"))
+        print(json.dumps(r), flush=True)
+        res.append(r)
+        del buf
+        dev.free()
+    return res
 
 
 def two_phase_case(S, H, D, K, dev, warmup, reps, chunk=1024, cfg=None, select="triton"):
@@ -238,6 +278,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="the score kernel's tile configs at S=32k and 128k (16x64)")
     ap.add_argument("--probe", action="store_true",
                     help="time the Triton path's parts (scoring matmul, torch.topk) at each S, 16x64")
+    ap.add_argument("--select-widths", default="",
+                    help="comma list of row widths (pools): each selection method on 1,024 rows of each")
     args = ap.parse_args()
 
     dev = Dev(args.cpu_smoke)
@@ -298,6 +340,12 @@ def main():
                 if kout is not None and tk_out is not None:
                     case["two_phase_topk"]["rows_differ_from_two_phase"] = int((tk_out != kout).any(-1).sum())
                 del tk_out
+                if triton.next_power_of_2(S // P) <= ROW_CAP:  # every row through the row kernel
+                    case["two_phase_rows"], r_out, _ = two_phase_case(S, H, D, K, dev, warmup, reps, chunk=chunk,
+                                                                      select="rows")
+                    if kout is not None and r_out is not None:
+                        case["two_phase_rows"]["rows_differ_from_two_phase"] = int((r_out != kout).any(-1).sum())
+                    del r_out
             if S > args.torch_max:
                 case["torch_chunk256"] = f"skipped: S > --torch-max {args.torch_max}"
             elif skip := over_budget(*last["torch_chunk256"], S, 1 + reps):
@@ -334,6 +382,9 @@ def main():
                 r.update(S=S, override=cfg)
                 print(json.dumps(r), flush=True)
                 results["sweep"].append(r)
+    if args.select_widths and not dev.cpu:
+        results["select_by_width"] = select_by_width(K, dev, chunk, [int(n) for n in args.select_widths.split(",")],
+                                                     warmup, reps)
     if args.probe:
         results["two_phase_probe"] = []
         for S in seqlens:

@@ -145,6 +145,51 @@ def _run_layer_cases() -> None:
                                   "full_equal_last": bool(torch.equal(full[:, 66:], outs["triton"]))}), flush=True)
 
 
+def _run_compact_cases() -> None:
+    """The "compact" selection: the k-th largest group maximum bounds the k-th score from below, the scores
+    at or above it go to a buffer, the row kernel selects among them."""
+    import longctx.ops.indexer.triton as tri
+    from longctx.ops.indexer.naive import select_from_scores
+
+    g = torch.Generator().manual_seed(13)
+    bad = []
+    for n, k in ((1000, 20), (700, 7), (333, 1), (150, 64), (64, 100)):
+        valid = torch.rand(2, 9, n, generator=g) < torch.linspace(0, 1, 9)[None, :, None]
+        ints = torch.randint(-3, 4, (2, 9, n), generator=g).float()  # many scores equal the k-th
+        ints[:, ::3, ::5] = -0.0
+        rising = torch.arange(n).float().expand(2, 9, n) + torch.rand(2, 9, n, generator=g)  # the best k in k / 16 groups
+        rows = {"ints": ints, "floats": torch.randn(2, 9, n, generator=g) * 1e3, "rising": rising,
+                "falling": -rising, "equal": torch.zeros(2, 9, n)}
+        for name, sc in rows.items():
+            sc = torch.where(valid, sc, float("-inf"))
+            ref = select_from_scores(sc, valid, k)
+            if not torch.equal(tri.select_from_scores_triton(sc, k, method="compact"), ref):
+                bad.append((n, k, name))
+            if not torch.equal(tri.select_from_scores_triton(sc, k, method="compact", gmax=tri.group_maxima(sc, 16)), ref):
+                bad.append((n, k, name, "gmax"))
+    # rows wider than GROUP_ROW_CAP groups take coarser groups (here from 32 groups a row on)
+    cap = tri.GROUP_ROW_CAP
+    tri.GROUP_ROW_CAP = 32
+    try:
+        sc = torch.where(torch.rand(1, 5, 1500, generator=g) < 0.9, torch.randn(1, 5, 1500, generator=g), float("-inf"))
+        group = tri.compact_group(1500, 9)
+        if not torch.equal(tri.select_from_scores_triton(sc, 9, method="compact", gmax=tri.group_maxima(sc, 16)),
+                           select_from_scores(sc, sc != float("-inf"), 9)):
+            bad.append((1500, 9, "coarse"))
+    finally:
+        tri.GROUP_ROW_CAP = cap
+    # the score kernel's group maxima are its scores' (-inf where nothing is selectable), and the whole path
+    # with them picks what the twin picks, on rows of up to 25 groups
+    q, w, pk = int_problem(1, 400, 4, 16, 400, 3, seed=21, dtype=torch.float32)
+    score, gm = tri.kpool_scores_triton(q, w, pk, 1, 405, q_offset=2, cfg={"BLOCK_N": 32, "TILES": 2}, group=16)
+    twin = kpool_topk_torch(q, w, pk, 1, 5)
+    out = tri.kpool_topk_triton(q, w, pk, 1, 5, chunk=128, cfg={"BLOCK_N": 32, "TILES": 2}, select="compact")
+    print("RESULT " + json.dumps({"name": "compact", "bad": bad, "coarse_group": group,
+                                  "gm_equal": bool(torch.equal(gm, tri.group_maxima(score, 16))), "gm_shape": list(gm.shape),
+                                  "equal": bool(torch.equal(out, twin)), "n_bad_rows": int((out != twin).any(-1).sum())}),
+          flush=True)
+
+
 def _run_cases() -> None:
     """Subprocess body: TRITON_INTERPRET=1 is already in the environment."""
     _run_layer_cases()
@@ -160,7 +205,9 @@ def _run_cases() -> None:
         cfg = dict(tiles, TILES=2)
         out = kpool_topk_triton(q, w, pk, P, K, chunk=13, q_offset=off, cfg=cfg)
         out_t = kpool_topk_triton(q, w, pk, P, K, chunk=13, q_offset=off, cfg=cfg, select="torch")
-        res = {"name": name, "equal": bool(torch.equal(out, twin)), "equal_torch_select": bool(torch.equal(out_t, twin)),
+        out_c = kpool_topk_triton(q, w, pk, P, K, chunk=13, q_offset=off, cfg=cfg, select="compact")
+        res = {"name": name, "equal": bool(torch.equal(out, twin) and torch.equal(out_c, twin)),
+               "equal_torch_select": bool(torch.equal(out_t, twin)),
                "dtype": str(out.dtype), "n_bad_rows": int((out != twin).any(-1).sum())}
         print("RESULT " + json.dumps(res), flush=True)
 
@@ -197,6 +244,8 @@ def _run_cases() -> None:
     bad += [(k, "rows-float") for k in (1, 7, 64) if not torch.equal(
         select_from_scores_triton(fl, k, method="rows"), select_from_scores(fl, valid, k))]
     print("RESULT " + json.dumps({"name": "emit_kernel", "equal": not bad, "bad": bad}), flush=True)
+
+    _run_compact_cases()
 
     # the score kernel's scores against the twin's (fp32 in both; -inf exactly where not selectable),
     # with a query offset and a column count past the pools, then its picks on the same float inputs
@@ -239,6 +288,19 @@ def test_emit_kernel_matches_select_from_scores(interp_results):
     twin's select_from_scores on tied scores (-0.0 and +0.0 among them) with -inf anywhere."""
     pytest.importorskip("triton")
     assert interp_results["emit_kernel"]["equal"], interp_results["emit_kernel"]
+
+
+def test_compact_select_matches_twin(interp_results):
+    """select_from_scores_triton's "compact" method == the twin's select_from_scores on tied, float, rising
+    (the best pools in the last groups), falling and all-equal rows, with its group maxima given or not and
+    with coarser groups; the score kernel's group maxima equal its scores'; kpool_topk_triton with it ==
+    the twin."""
+    pytest.importorskip("triton")
+    r = interp_results["compact"]
+    assert not r["bad"], r
+    assert r["coarse_group"] == 64, r  # 1,500 scores: 94 groups of 16 > 32, so 4 x 16
+    assert r["gm_equal"] and r["gm_shape"] == [1, 400, 26], r
+    assert r["equal"], r
 
 
 def test_scores_and_float_picks(interp_results):

@@ -80,7 +80,10 @@ def test_exact_inputs_match_twin(B, S, H, D, P, K, q_offset, dtype, cfg):
     NP = (q_offset + S) // P + 3  # a few pools no query sees yet
     q, w, pk = problem(B, S, H, D, NP, exact=True, dtype=dtype)
     ref = kpool_topk_torch(q, w, pk, P, K, chunk=256, q_offset=q_offset)
-    for chunk, select in ((1024, "triton"), (1000, "triton"), (1000, "topk"), (1000, "torch")):
+    selects = [(1024, "triton"), (1000, "triton"), (1000, "topk"), (1000, "torch")]
+    if dtype != torch.float32:  # the fp32 kernels' compiles are the file's longest; the CPU tests cover it
+        selects.append((1000, "compact"))
+    for chunk, select in selects:
         out = kpool_topk_triton(q, w, pk, P, K, chunk=chunk, q_offset=q_offset, cfg=cfg, select=select)
         assert int((out != ref).any(-1).sum()) == 0, (chunk, select)
 
@@ -96,6 +99,7 @@ def test_random_inputs_match_twin_up_to_rounding(H, D):
     q, w, pk = problem(1, S, H, D, S // P, exact=False, seed=1)
     out = kpool_topk_triton(q, w, pk, P, K)
     assert torch.equal(kpool_topk_triton(q, w, pk, P, K, select="torch"), out)
+    assert torch.equal(kpool_topk_triton(q, w, pk, P, K, select="compact"), out)
     ref = kpool_topk_torch(q, w, pk, P, K, chunk=512)
     n_rows, gap = near_tie_gap(out, ref, q, w, pk)
     assert n_rows <= S // 100, n_rows  # last-bit score differences flip at most a few rows
@@ -121,11 +125,44 @@ def test_row_select_kernel_matches_twin_on_long_rows(n):
     ref = select_from_scores(sc, valid, k)
     assert torch.equal(select_from_scores_triton(sc, k, method="topk"), ref)
     assert torch.equal(select_from_scores_triton(sc, k), ref)
+    assert torch.equal(select_from_scores_triton(sc, k, method="compact"), ref)
     if triton_next_pow2(n) <= ROW_CAP:
         assert torch.equal(select_from_scores_triton(sc, k, method="rows"), ref)
     else:
         with pytest.raises(ValueError, match="method='topk'"):
             select_from_scores_triton(sc, k, method="rows")
+
+
+@pytest.mark.parametrize("n", [65536, 262144 + 4099, 1048576])
+def test_compact_select_matches_twin_on_wide_rows(n):
+    """"compact" on rows past the row kernel (what `auto` runs there), with group maxima coarsened past
+    GROUP_ROW_CAP groups: the twin's picks on float rows, tied integer rows, rows rising with the pool id
+    (the best pools packed into the last groups) and all-equal rows."""
+    from longctx.ops.indexer.naive import select_from_scores
+    from longctx.ops.indexer.triton import compact_group, group_maxima, select_from_scores_triton
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    c, k = 8, 512
+    assert compact_group(n, k) is not None
+    valid = torch.rand(1, c, n, device="cuda", generator=g) < torch.linspace(0.5, 1, c, device="cuda")[None, :, None]
+    rising = torch.arange(n, device="cuda").float() + torch.rand(1, c, n, device="cuda", generator=g)
+    for sc in (torch.randn(1, c, n, device="cuda", generator=g), torch.randint(-3, 4, (1, c, n), device="cuda",
+               generator=g).float(), rising, torch.zeros(1, c, n, device="cuda")):
+        sc = torch.where(valid, sc, float("-inf"))
+        ref = select_from_scores(sc, valid, k)
+        assert torch.equal(select_from_scores_triton(sc, k), ref)
+        assert torch.equal(select_from_scores_triton(sc, k, method="compact", gmax=group_maxima(sc, 16)), ref)
+
+
+def test_default_path_equals_topk_at_128k():
+    """At 131,072 tokens the default selection (the row kernel on rows of up to 16,384 pools, "compact"
+    past them, its group maxima from the score kernel) picks what torch.topk's k-th score and the emit
+    kernel pick from the same scores, on every row."""
+    from longctx.ops.indexer.triton import kpool_topk_triton
+
+    S, P, K = 131072, 4, 512
+    q, w, pk = problem(1, S, 16, 64, S // P, exact=False, seed=3)
+    assert torch.equal(kpool_topk_triton(q, w, pk, P, K), kpool_topk_triton(q, w, pk, P, K, select="topk"))
 
 
 def triton_next_pow2(n: int) -> int:

@@ -85,18 +85,21 @@ def _tile_scores(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
 
 @triton.jit
 def _kpool_score_kernel(
-    Q, W, PK, OUT,
+    Q, W, PK, OUT, GM,
     stride_qb, stride_qs, stride_qh,
     stride_wb, stride_ws, stride_wh,
     stride_pb, stride_pn,
     stride_ob, stride_os,
+    stride_gb, stride_gs,
     S, H, NP, NC, P, q_offset,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-    PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    PREC: tl.constexpr, DOT_F32: tl.constexpr, GROUP: tl.constexpr,
 ):
-    """OUT[b, t, n] = score of query t and pool n for n < NC (-inf where pool n is not selectable).
-    One program: BLOCK_M queries x a strip of TILES pool tiles (q stays in registers across the strip)."""
+    """OUT[b, t, n] = score of query t and pool n for n < NC (-inf where pool n is not selectable); with
+    GROUP > 0 also GM[b, t, j] = the largest of OUT[b, t, j GROUP : (j + 1) GROUP] (`_compact_kernel`'s
+    group maxima, from the tile in registers). One program: BLOCK_M queries x a strip of TILES pool tiles
+    (q stays in registers across the strip)."""
     blk = tl.program_id(0)
     strip = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -109,6 +112,7 @@ def _kpool_score_kernel(
     pos = q_offset + t
     n_hi = tl.minimum((q_offset + tl.minimum(t0 + BLOCK_M, S)) // P, NP)  # pools any row of the block sees
     out_rows = OUT + b * stride_ob + t.to(tl.int64) * stride_os
+    gm_rows = GM + b * stride_gb + t.to(tl.int64) * stride_gs
     for i in tl.static_range(TILES):
         n0 = (strip * TILES + i) * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -116,10 +120,21 @@ def _kpool_score_kernel(
         if n0 < n_hi:
             sc, valid, offs_n = _tile_scores(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
                                              BLOCK_M, BLOCK_H, BLOCK_N, PREC, DOT_F32)
-            tl.store(out_rows[:, None] + offs_n[None, :], tl.where(valid, sc, float("-inf")), mask=ok)
+            sc = tl.where(valid & ok, sc, float("-inf"))
+            tl.store(out_rows[:, None] + offs_n[None, :], sc, mask=ok)
+            if GROUP > 0:
+                gm = tl.max(tl.reshape(sc, [BLOCK_M, BLOCK_N // GROUP, GROUP]), axis=2)
+                offs_g = n0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
+                tl.store(gm_rows[:, None] + offs_g[None, :], gm,
+                         mask=m_ok[:, None] & (offs_g[None, :] * GROUP < NC))
         elif n0 < NC:
             tl.store(out_rows[:, None] + offs_n[None, :], tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32),
                      mask=ok)
+            if GROUP > 0:
+                offs_g = n0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
+                tl.store(gm_rows[:, None] + offs_g[None, :],
+                         tl.full([BLOCK_M, BLOCK_N // GROUP], float("-inf"), tl.float32),
+                         mask=m_ok[:, None] & (offs_g[None, :] * GROUP < NC))
 
 
 @triton.jit
@@ -174,28 +189,15 @@ def _ordered_key(sc):
 
 
 @triton.jit
-def _select_rows_kernel(
-    SC, OUT,
-    stride_sb, stride_ss, stride_ob, stride_os,
-    NC, K,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """OUT[b, t, :K]: `_emit_from_scores_kernel`'s function with the k-th score found in the kernel. One
-    program holds one whole row in registers (one read of it): a search over the scores' uint32 order
-    keys for the largest key T with count(key >= T) >= K, four-way (three counts per step, packed in one
-    int64 sum so a step costs one reduction) and done early where a count is exactly K; then the emit,
-    with prefix sums for the tie ranks and the output slots."""
-    t = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    offs = tl.arange(0, BLOCK_N)
-    sc = tl.load(SC + b * stride_sb + t * stride_ss + offs, mask=offs < NC, other=float("-inf"))
-    sc = tl.where(sc == 0.0, 0.0, sc)  # -0.0 -> +0.0: equal floats must get equal keys
-    valid = sc != float("-inf")
-    key = tl.where(valid, _ordered_key(sc), 0)  # a valid key is >= 0x00800000 (-FLT_MAX's)
+def _kth_key(key, valid, K):
+    """The K-th largest of the valid uint32 order keys (int64), or 1 where at most K are valid (a valid key
+    is >= 0x00800000, -FLT_MAX's, so every valid key is above it). A search for the largest key T with
+    count(key >= T) >= K, four-way (three counts per step, packed in one int64 sum so a step costs one
+    reduction) and done early where a count is exactly K."""
     n_valid = tl.sum(valid.to(tl.int32), 0)
     lo = tl.min(tl.where(valid, key, 0xFFFFFFFF), 0).to(tl.int64)
     hi = tl.max(key, 0).to(tl.int64)
-    if n_valid <= K:  # every valid pool is taken
+    if n_valid <= K:  # every valid key is taken
         lo = hi * 0 + 1
         hi = lo
     # invariant: count(key >= lo) >= K > count(key > hi)
@@ -218,18 +220,126 @@ def _select_rows_kernel(
             new_lo = tl.where(c3 >= K, m3, tl.where(c2 >= K, m2, tl.where(c1 >= K, m1, lo)))
             hi = tl.where(c1 < K, m1 - 1, tl.where(c2 < K, m2 - 1, tl.where(c3 < K, m3 - 1, hi)))
             lo = new_lo
-    thr = lo.to(tl.uint32)
+    return lo
+
+
+@triton.jit
+def _select_loaded_row(sc, ids, K, out_row, BLOCK_K: tl.constexpr):
+    """Write the K best of one row held in registers (fp32 scores, -inf = not selectable; `ids` their pool
+    ids, ascending) to out_row[:K]: those above the K-th score, then the first ones equal to it (ties to the
+    lower id), ascending, -1 padded."""
+    sc = tl.where(sc == 0.0, 0.0, sc)  # -0.0 -> +0.0: equal floats must get equal keys
+    valid = sc != float("-inf")
+    key = tl.where(valid, _ordered_key(sc), 0)
+    thr = _kth_key(key, valid, K).to(tl.uint32)
     gt = valid & (key > thr)
     eq = valid & (key == thr)
     need = K - tl.sum(gt.to(tl.int32), 0)
     take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
     slot = tl.cumsum(take.to(tl.int32), 0) - 1
-    out_row = OUT + b * stride_ob + t * stride_os
-    tl.store(out_row + slot, offs, mask=take & (slot < K))
+    tl.store(out_row + slot, ids, mask=take & (slot < K))
     n_taken = tl.minimum(tl.sum(take.to(tl.int32), 0), K)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         tl.store(out_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=(offs_k >= n_taken) & (offs_k < K))
+
+
+@triton.jit
+def _select_rows_kernel(
+    SC, OUT,
+    stride_sb, stride_ss, stride_ob, stride_os,
+    NC, K,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """OUT[b, t, :K]: `_emit_from_scores_kernel`'s function with the k-th score found in the kernel. One
+    program holds one whole row in registers (one read of it), finds its k-th key (`_kth_key`) and emits
+    with prefix sums for the tie ranks and the output slots."""
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    sc = tl.load(SC + b * stride_sb + t * stride_ss + offs, mask=offs < NC, other=float("-inf"))
+    _select_loaded_row(sc, offs, K, OUT + b * stride_ob + t * stride_os, BLOCK_K)
+
+
+@triton.jit
+def _compact_kernel(
+    SC, GM, CS, CI, CNT,
+    stride_sb, stride_ss, stride_gb, stride_gs, stride_cb, stride_cs, stride_nb,
+    NC, NG, K, CAP,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Each row's candidates for its K best, in pool order, into CS (scores) / CI (pool ids) [b, t, :CAP]
+    and their count into CNT[b, t]. GM holds the row's group maxima (the largest score of each group of
+    GP consecutive pools, -inf for a group with nothing selectable). T, the K-th largest group maximum, is
+    at most the row's K-th score (K groups reach it, one score each), so the K best are among the scores
+    >= T. The c < K groups with a maximum above T hold at most c GP scores above it, and at least c of
+    them, so at most K - c scores equal to T are needed (the first ones in pool order: the tie rule's).
+    Keeping just those, at most c GP + K - c <= K GP = CAP scores are kept: the buffer never overflows,
+    whatever the scores. Where at most K groups are valid, every valid score is kept (at most K GP
+    again)."""
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    gm = tl.load(GM + b * stride_gb + t * stride_gs + offs_g, mask=offs_g < NG, other=float("-inf"))
+    gm = tl.where(gm == 0.0, 0.0, gm)
+    gvalid = gm != float("-inf")
+    gkey = tl.where(gvalid, _ordered_key(gm), 0)
+    thr = _kth_key(gkey, gvalid, K).to(tl.uint32)
+    # every group with its maximum above T has a score above T, so at most K - (those groups) scores equal
+    # to T are ever needed: the first ones in pool order
+    need_eq = K - tl.sum((gvalid & (gkey > thr)).to(tl.int32), 0)
+    row = SC + b * stride_sb + t * stride_ss
+    c_row = b * stride_cb + t * stride_cs
+    cnt = tl.zeros([], dtype=tl.int32)
+    seen = tl.zeros([], dtype=tl.int32)
+    for n0 in range(0, NC, BLOCK_S):
+        offs = n0 + tl.arange(0, BLOCK_S)
+        sc = tl.load(row + offs, mask=offs < NC, other=float("-inf"))
+        sc = tl.where(sc == 0.0, 0.0, sc)
+        valid = sc != float("-inf")
+        key = tl.where(valid, _ordered_key(sc), 0)
+        gt = valid & (key > thr)
+        eq = valid & (key == thr)
+        n_eq = tl.sum(eq.to(tl.int32), 0)
+        if seen + n_eq <= need_eq:
+            keep = gt | eq
+        else:
+            keep = gt | (eq & (seen + tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
+        n_keep = tl.sum(keep.to(tl.int32), 0)
+        if n_keep > 0:  # most tiles of a long row keep nothing: no prefix sum for them
+            slot = cnt + tl.cumsum(keep.to(tl.int32), 0) - 1
+            ok = keep & (slot < CAP)
+            tl.store(CS + c_row + slot, sc, mask=ok)
+            tl.store(CI + c_row + slot, offs, mask=ok)
+        cnt += n_keep
+        seen += n_eq
+    tl.store(CNT + b * stride_nb + t, tl.minimum(cnt, CAP))
+
+
+@triton.jit
+def _select_candidates_kernel(
+    CS, CI, CNT, OUT,
+    stride_cb, stride_cs, stride_nb, stride_ob, stride_os,
+    K,
+    SMALL: tl.constexpr, BIG: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """OUT[b, t, :K] from `_compact_kernel`'s candidates (in pool order): the row kernel's selection over
+    them, in a SMALL block where the count fits it (the usual case: a little over K), else in BIG."""
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    n = tl.load(CNT + b * stride_nb + t)
+    c_row = b * stride_cb + t * stride_cs
+    out_row = OUT + b * stride_ob + t * stride_os
+    if n <= SMALL:
+        offs = tl.arange(0, SMALL)
+        sc = tl.load(CS + c_row + offs, mask=offs < n, other=float("-inf"))
+        ids = tl.load(CI + c_row + offs, mask=offs < n, other=-1)
+        _select_loaded_row(sc, ids, K, out_row, BLOCK_K)
+    else:
+        offs = tl.arange(0, BIG)
+        sc = tl.load(CS + c_row + offs, mask=offs < n, other=float("-inf"))
+        ids = tl.load(CI + c_row + offs, mask=offs < n, other=-1)
+        _select_loaded_row(sc, ids, K, out_row, BLOCK_K)
 
 
 def _fix_interpreter_loop_bounds() -> None:
@@ -300,17 +410,101 @@ def _last_contig(x: torch.Tensor) -> torch.Tensor:
 
 ROW_CAP = 32768  # the longest row `_select_rows_kernel` holds in registers (16 warps x 64 keys a thread)
 ROW_AUTO = 16384  # "auto" takes the row kernel up to rows this long: past it torch.topk + emit is faster (H200)
-SELECTS = ("auto", "rows", "topk")
+GROUP = 16  # pools per group maximum that the score kernel writes for "compact"
+GROUP_ROW_CAP = 16384  # group maxima a row `_compact_kernel` holds in registers; wider rows take coarser groups
+COMPACT_SMALL = 4096  # `_select_candidates_kernel`'s block for the usual candidate count (a little over k)
+SELECTS = ("auto", "rows", "compact", "topk")
+
+
+def compact_group(n: int, k: int) -> int | None:
+    """The pools per group "compact" uses on rows of n scores with k picks (GROUP, or a multiple of it so
+    that a row has at most GROUP_ROW_CAP groups), or None where its candidate buffer (k x group) would not
+    fit one register row (ROW_CAP)."""
+    g = triton.cdiv(n, GROUP)
+    group = GROUP * triton.next_power_of_2(triton.cdiv(g, GROUP_ROW_CAP))
+    return None if k * group > ROW_CAP else group
+
+
+def _auto_method(n: int, k: int) -> str:
+    """"auto"'s choice for rows of n scores: the row kernel up to ROW_AUTO, then "compact" where its buffer
+    fits and a row has at least 2k groups (fewer bound the k-th score loosely), else "topk"."""
+    if max(16, triton.next_power_of_2(n)) <= ROW_AUTO:
+        return "rows"
+    group = compact_group(n, k)
+    return "compact" if group is not None and triton.cdiv(n, group) >= 2 * k else "topk"
+
+
+def group_maxima(score: torch.Tensor, group: int) -> torch.Tensor:
+    """[..., n] -> [..., ceil(n / group)]: the largest score of each `group` consecutive ones (-inf pads)."""
+    n = score.shape[-1]
+    pad = (-n) % group
+    if pad:
+        score = torch.nn.functional.pad(score, (0, pad), value=float("-inf"))
+    return score.unflatten(-1, (-1, group)).amax(-1)
+
+
+def _compact(score: torch.Tensor, k: int, gmax: torch.Tensor | None, group: int):
+    """`_compact_kernel` on [B, c, n] scores: the candidates' scores, ids, counts and the buffer's width."""
+    B, c, n = score.shape
+    if gmax is None or gmax.shape[-1] != triton.cdiv(n, group):
+        src = gmax if gmax is not None else score
+        step = group // GROUP if gmax is not None else group
+        gmax = group_maxima(src, step)
+    gmax = _last_contig(gmax)
+    ng = gmax.shape[-1]
+    cap = k * group
+    cs = torch.empty(B, c, cap, dtype=torch.float32, device=score.device)
+    ci = torch.empty(B, c, cap, dtype=torch.int32, device=score.device)
+    cnt = torch.empty(B, c, dtype=torch.int32, device=score.device)
+    block_g = max(16, triton.next_power_of_2(ng))
+    _compact_kernel[(c, B)](
+        score, gmax, cs, ci, cnt,
+        score.stride(0), score.stride(1), gmax.stride(0), gmax.stride(1), cs.stride(0), cs.stride(1), cnt.stride(0),
+        n, ng, k, cap, BLOCK_G=block_g, BLOCK_S=4096, num_warps=min(16, max(4, block_g // 1024)),
+    )
+    return cs, ci, cnt, cap
+
+
+def compact_candidates(score: torch.Tensor, k: int, gmax: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [B, c]: how many candidates "compact" keeps a row (at least min(k, selectable), at most k x
+    group): what its second kernel selects from (the benchmark records them)."""
+    if _interpreting():
+        _fix_interpreter_loop_bounds()
+    group = compact_group(score.shape[-1], k)
+    if group is None:
+        raise ValueError(f"compact_candidates: rows of {score.shape[-1]} with k={k} do not fit method='compact'")
+    return _compact(_last_contig(score), k, gmax, group)[2]
+
+
+def _select_compact(score: torch.Tensor, k: int, out: torch.Tensor, gmax: torch.Tensor | None, group: int) -> None:
+    """"compact": each row's scores above the k-th largest of its group maxima (a lower bound of its k-th
+    score) into a buffer of k x group, then the row kernel's selection over those candidates."""
+    B, c, _ = score.shape
+    cs, ci, cnt, cap = _compact(score, k, gmax, group)
+    big = max(16, triton.next_power_of_2(cap))
+    _select_candidates_kernel[(c, B)](
+        cs, ci, cnt, out, cs.stride(0), cs.stride(1), cnt.stride(0), out.stride(0), out.stride(1), k,
+        SMALL=min(big, COMPACT_SMALL), BIG=big, BLOCK_K=min(1024, max(16, triton.next_power_of_2(k))),
+        num_warps=min(32, max(4, big // 2048)),
+    )
 
 
 def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, block_n: int = 256,
-                              method: str = "auto") -> torch.Tensor:
+                              method: str = "auto", gmax: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [B, c, n] scores (-inf = not selectable) -> int32 [B, c, k]: `naive.select_from_scores`'
-    function (top k, ties to the lower pool id, ascending, -1 padded). `method`: "rows" finds each row's
-    k-th score and emits in one kernel that reads the row once (`_select_rows_kernel`, rows of at most
-    ROW_CAP scores); "topk" takes the k-th score from torch.topk and emits with a second kernel that reads
-    the row twice; "auto" is "rows" for rows of at most ROW_AUTO scores, where it is the faster on the
-    H200 (bench/indexer.py --probe, `select_by_width`), else "topk". Both give the same ids."""
+    function (top k, ties to the lower pool id, ascending, -1 padded). `method`:
+
+    - "rows": one kernel a row finds its k-th score and emits from one read of the row held in registers
+      (`_select_rows_kernel`; rows of at most ROW_CAP scores);
+    - "compact": the scores at or above the k-th largest of the row's group maxima (`gmax`, [B, c,
+      ceil(n / GROUP)], as the score kernel writes them; computed here when not given) go to a buffer of
+      at most k x group, then the row kernel's selection runs over them (`_compact_kernel`,
+      `_select_candidates_kernel`; where k x group fits ROW_CAP, `compact_group`);
+    - "topk": torch.topk's k-th score, then an emit kernel that reads the row twice;
+    - "auto": `_auto_method` ("rows" for rows of at most ROW_AUTO scores, "compact" past them where it
+      applies, else "topk"; the split by row width is measured: bench/indexer.py --probe, `select_by_width`).
+
+    All give the same ids."""
     if method not in SELECTS:
         raise ValueError(f"select_from_scores_triton: method={method!r}; use one of {SELECTS}")
     B, c, n = score.shape
@@ -323,15 +517,24 @@ def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, blo
     if _interpreting():
         _fix_interpreter_loop_bounds()
     block = max(16, triton.next_power_of_2(n))
+    group = compact_group(n, k)
     if method == "rows" and block > ROW_CAP:
         raise ValueError(f"select_from_scores_triton: rows of {n} scores exceed method='rows''s {ROW_CAP}; "
                          f"use method='topk' or 'auto'")
-    if method == "rows" or (method == "auto" and block <= ROW_AUTO):
+    if method == "compact" and group is None:
+        raise ValueError(f"select_from_scores_triton: method='compact' needs k x its group within {ROW_CAP} "
+                         f"(rows of {n}, k={k}, group {GROUP} or more); use method='auto'")
+    if method == "auto":
+        method = _auto_method(n, k)
+    if method == "rows":
         _select_rows_kernel[(c, B)](
             score, out, score.stride(0), score.stride(1), out.stride(0), out.stride(1), n, k,
             BLOCK_N=block, BLOCK_K=min(1024, max(16, triton.next_power_of_2(k))),
             num_warps=min(32, max(4, block // 2048)),
         )
+        return out
+    if method == "compact":
+        _select_compact(score, k, out, gmax, group)
         return out
     kth = score.topk(min(k, n), dim=-1, sorted=False).values.amin(-1).contiguous()  # -inf: fewer than k selectable
     _emit_from_scores_kernel[(triton.cdiv(c, block_m), B)](
@@ -341,33 +544,44 @@ def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, blo
     return out
 
 
+def _select_method(select: str, n: int, k: int) -> str:
+    """What `select_from_scores_triton` runs for kpool_topk_triton's `select` on rows of n scores."""
+    return _auto_method(n, k) if select == "triton" else select
+
+
 def kpool_scores_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, n_cols: int,
-                        q_offset: int = 0, cfg: dict | None = None) -> torch.Tensor:
+                        q_offset: int = 0, cfg: dict | None = None, group: int = 0):
     """fp32 [B, S, n_cols]: sum_h w relu(q . pk) of every query and pool n < n_cols, -inf where the pool
-    is not selectable (not complete by the query's absolute position q_offset + t, or n >= NP)."""
+    is not selectable (not complete by the query's absolute position q_offset + t, or n >= NP). With
+    `group` (a power of two dividing the tile's BLOCK_N) it also returns each `group` pools' largest
+    score, [B, S, ceil(n_cols / group)], written from the tiles in registers."""
     _check(q, w, pk, pool, 0, q_offset)
     q, pk = _last_contig(q), _last_contig(pk)
     B, S, H, D = q.shape
     c = {**_cfg(H, D), **(cfg or {})}
+    if group and (group & (group - 1) or c["BLOCK_N"] % group):
+        raise ValueError(f"kpool_scores_triton: group={group}; use a power of two dividing BLOCK_N={c['BLOCK_N']}")
     out = torch.empty(B, S, n_cols, dtype=torch.float32, device=q.device)
+    gm = torch.empty(B, S, triton.cdiv(n_cols, group) if group else 1, dtype=torch.float32, device=q.device)
     if B == 0 or S == 0 or n_cols == 0:
-        return out
+        return (out, gm) if group else out
     if _interpreting():
         _fix_interpreter_loop_bounds()
     grid = (triton.cdiv(S, c["BLOCK_M"]), triton.cdiv(n_cols, c["BLOCK_N"] * c["TILES"]), B)
     _kpool_score_kernel[grid](
-        q, w, pk, out,
+        q, w, pk, out, gm,
         q.stride(0), q.stride(1), q.stride(2),
         w.stride(0), w.stride(1), w.stride(2),
         pk.stride(0), pk.stride(1),
         out.stride(0), out.stride(1),
+        gm.stride(0), gm.stride(1),
         S, H, pk.shape[1], n_cols, pool, q_offset,
         D=D, BLOCK_D=c["BLOCK_D"], BLOCK_H=c["BLOCK_H"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], TILES=c["TILES"],
         PREC="ieee" if q.dtype == torch.float32 or _interpreting() else "tf32",
-        DOT_F32=_interpreting() and q.dtype != torch.float32,
+        DOT_F32=_interpreting() and q.dtype != torch.float32, GROUP=group,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
-    return out
+    return (out, gm) if group else out
 
 
 def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, k_pools: int,
@@ -375,9 +589,10 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
                       select: str = "triton") -> torch.Tensor:
     """int32 [B, S, k_pools], the same function as `naive.kpool_topk_torch`: `chunk` queries are scored
     into an fp32 [B, chunk, pools they can see] buffer by the score kernel, then selected by `select`:
-    "triton" (`select_from_scores_triton`: one kernel a row where the rows fit, else torch.topk's k-th
-    score and the emit kernel), "topk" (always the latter: the benchmark's baseline) or "torch"
-    (`naive.select_from_scores`, which the tests use to check the score kernel alone).
+    "triton" (`select_from_scores_triton`'s "auto": the row kernel on rows of up to ROW_AUTO pools, past
+    them "compact" with the group maxima the score kernel writes beside the buffer), one of its methods by
+    name ("rows", "compact", "topk": the benchmark's baselines), or "torch" (`naive.select_from_scores`,
+    which the tests use to check the score kernel alone).
 
     q [B,S,H,D] and pk [B,NP,D] share bf16/fp16/fp32 (fp32 runs the MMAs in IEEE fp32); w [B,S,H] is read
     as fp32; q_offset is the absolute position of q[:, 0]. `cfg` overrides the tile config (BLOCK_M,
@@ -386,8 +601,8 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
     _check(q, w, pk, pool, k_pools, q_offset)
     if chunk < 1:
         raise ValueError(f"kpool_topk_triton: chunk={chunk}; use a positive number of queries")
-    if select not in ("triton", "topk", "torch"):
-        raise ValueError(f"kpool_topk_triton: select={select!r}; use 'triton', 'topk' or 'torch'")
+    if select not in ("triton", "rows", "compact", "topk", "torch"):
+        raise ValueError(f"kpool_topk_triton: select={select!r}; use 'triton', 'rows', 'compact', 'topk' or 'torch'")
     B, S = q.shape[:2]
     NP = pk.shape[1]
     out = torch.full((B, S, k_pools), -1, dtype=torch.int32, device=q.device)
@@ -398,9 +613,15 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
         n = min(NP, (q_offset + s1) // pool)  # pools the chunk's last query can see
         if n == 0:
             continue
+        method = _select_method(select, n, k_pools)
+        if method == "compact":
+            score, gm = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg,
+                                            group=GROUP)
+            out[:, s0:s1] = select_from_scores_triton(score, k_pools, method=method, gmax=gm)
+            continue
         score = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg)
-        if select != "torch":
-            out[:, s0:s1] = select_from_scores_triton(score, k_pools, method="auto" if select == "triton" else "topk")
+        if method != "torch":
+            out[:, s0:s1] = select_from_scores_triton(score, k_pools, method=method)
         else:
             out[:, s0:s1] = select_from_scores(score, score != float("-inf"), k_pools)
     return out
