@@ -331,15 +331,19 @@ def _select_candidates_kernel(
     c_row = b * stride_cb + t * stride_cs
     out_row = OUT + b * stride_ob + t * stride_os
     if n <= SMALL:
-        offs = tl.arange(0, SMALL)
-        sc = tl.load(CS + c_row + offs, mask=offs < n, other=float("-inf"))
-        ids = tl.load(CI + c_row + offs, mask=offs < n, other=-1)
-        _select_loaded_row(sc, ids, K, out_row, BLOCK_K)
+        _select_candidate_block(CS + c_row, CI + c_row, n, K, out_row, SMALL, BLOCK_K)
     else:
-        offs = tl.arange(0, BIG)
-        sc = tl.load(CS + c_row + offs, mask=offs < n, other=float("-inf"))
-        ids = tl.load(CI + c_row + offs, mask=offs < n, other=-1)
-        _select_loaded_row(sc, ids, K, out_row, BLOCK_K)
+        _select_candidate_block(CS + c_row, CI + c_row, n, K, out_row, BIG, BLOCK_K)
+
+
+@triton.jit
+def _select_candidate_block(cs_row, ci_row, n, K, out_row, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The row kernel's selection over a row's n candidates, loaded into a BLOCK (its own function: the
+    compiler takes no branches whose tensors differ in shape)."""
+    offs = tl.arange(0, BLOCK)
+    sc = tl.load(cs_row + offs, mask=offs < n, other=float("-inf"))
+    ids = tl.load(ci_row + offs, mask=offs < n, other=-1)
+    _select_loaded_row(sc, ids, K, out_row, BLOCK_K)
 
 
 def _fix_interpreter_loop_bounds() -> None:
