@@ -1,6 +1,7 @@
 """Benchmark: k-pool indexer selection (score + top-k pools), our Triton path vs plain torch, one GPU.
 
     python bench/indexer.py --out DIR [--quick] [--seqlens 8192,...] [--heads 16x64] [--budget-s 120] [--sweep] [--probe]
+        [--select-widths 16384,...,1048576 [--compact-sweep]]
     python bench/indexer.py --cpu-smoke --out DIR    # tiny sizes, the kernels under TRITON_INTERPRET=1
 
 Problem (the h200-ref indexer): q [1,S,16,64] bf16 (pre-scaled), w [1,S,16] fp32, pooled keys
@@ -194,12 +195,15 @@ def two_phase_probe(S, H, D, K, dev, chunk=1024, warmup=1, reps=3) -> dict:
     return out
 
 
-def select_by_width(K, dev, rows, widths, warmup=1, reps=3) -> list[dict]:
+def select_by_width(K, dev, rows, widths, warmup=1, reps=3, sweep=False) -> list[dict]:
     """Each selection method on `rows` random fp32 rows of one width each (k = K): the row kernel (rows of
     up to ROW_CAP), "compact" given the group maxima the score kernel writes (`compact_ms`; torch's
     group maxima, which the score kernel saves, timed apart as `group_maxima_ms`) with its candidates a
     row, and torch.topk's k-th score + emit. "rising" rows add a ramp over the pool ids (the best pools
     packed into the row's last groups, as a strong recency bias would), which "compact" likes least."""
+    import longctx.ops.indexer.triton as tri
+
+    defaults = tri.COMPACT_BLOCK_S, tri.COMPACT_WARPS
     g = torch.Generator(device=dev.name).manual_seed(2)
     res = []
     for n in widths:
@@ -225,6 +229,13 @@ def select_by_width(K, dev, rows, widths, warmup=1, reps=3) -> list[dict]:
             r["compact_rising_ms"] = timed_ms(lambda: select_from_scores_triton(rising, K, method="compact", gmax=gm_r))
             cnt = compact_candidates(rising, K, gm_r).float()
             r["candidates_rising_mean"], r["candidates_rising_max"] = float(cnt.mean()), int(cnt.max())
+            if sweep:  # the compact kernel's step and warps
+                r["compact_sweep"] = []
+                for block_s, warps in ((4096, 4), (8192, 8), (16384, 8), (16384, 16)):
+                    tri.COMPACT_BLOCK_S, tri.COMPACT_WARPS = block_s, warps
+                    ms = timed_ms(lambda: select_from_scores_triton(buf, K, method="compact", gmax=gm))
+                    r["compact_sweep"].append({"block_s": block_s, "warps": warps, "ms": ms})
+                tri.COMPACT_BLOCK_S, tri.COMPACT_WARPS = defaults
             del rising, gm_r, gm
         r["topk_ms"] = timed_ms(lambda: select_from_scores_triton(buf, K, method="topk"))
         print(json.dumps(r), flush=True)
@@ -280,6 +291,7 @@ def main():
                     help="time the Triton path's parts (scoring matmul, torch.topk) at each S, 16x64")
     ap.add_argument("--select-widths", default="",
                     help="comma list of row widths (pools): each selection method on 1,024 rows of each")
+    ap.add_argument("--compact-sweep", action="store_true", help="with --select-widths: the compact kernel's configs")
     args = ap.parse_args()
 
     dev = Dev(args.cpu_smoke)
@@ -384,7 +396,7 @@ def main():
                 results["sweep"].append(r)
     if args.select_widths and not dev.cpu:
         results["select_by_width"] = select_by_width(K, dev, chunk, [int(n) for n in args.select_widths.split(",")],
-                                                     warmup, reps)
+                                                     warmup, reps, sweep=args.compact_sweep)
     if args.probe:
         results["two_phase_probe"] = []
         for S in seqlens:

@@ -154,6 +154,18 @@ def test_compact_select_matches_twin_on_wide_rows(n):
         assert torch.equal(select_from_scores_triton(sc, k, method="compact", gmax=group_maxima(sc, 16)), ref)
 
 
+@pytest.mark.parametrize("group", [16, 32, 64])
+def test_score_kernel_group_maxima(group):
+    """The score kernel's group maxima (each `group` pools' largest score, written from its tiles) equal
+    torch's over the scores it writes, -inf groups and a ragged last group included."""
+    from longctx.ops.indexer.triton import group_maxima, kpool_scores_triton
+
+    q, w, pk = problem(1, 1500, 16, 64, 1100, exact=False, seed=5)
+    score, gm = kpool_scores_triton(q, w, pk, 4, 1000, q_offset=2500, group=group)
+    assert gm.shape[-1] == -(-1000 // group)
+    assert torch.equal(gm, group_maxima(score, group))
+
+
 def test_default_path_equals_topk_at_128k():
     """At 131,072 tokens the default selection (the row kernel on rows of up to 16,384 pools, "compact"
     past them, its group maxima from the score kernel) picks what torch.topk's k-th score and the emit

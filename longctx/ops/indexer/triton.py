@@ -27,6 +27,8 @@ Shapes it cannot take raise a ValueError naming the shape.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -300,12 +302,14 @@ def _compact_kernel(
         key = tl.where(valid, _ordered_key(sc), 0)
         gt = valid & (key > thr)
         eq = valid & (key == thr)
-        n_eq = tl.sum(eq.to(tl.int32), 0)
+        both = tl.sum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)  # one reduction for the two counts
+        n_eq = both >> 16
         if seen + n_eq <= need_eq:
             keep = gt | eq
+            n_keep = (both & 0xFFFF) + n_eq
         else:
             keep = gt | (eq & (seen + tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
-        n_keep = tl.sum(keep.to(tl.int32), 0)
+            n_keep = tl.sum(keep.to(tl.int32), 0)
         if n_keep > 0:  # most tiles of a long row keep nothing: no prefix sum for them
             slot = cnt + tl.cumsum(keep.to(tl.int32), 0) - 1
             ok = keep & (slot < CAP)
@@ -321,10 +325,10 @@ def _select_candidates_kernel(
     CS, CI, CNT, OUT,
     stride_cb, stride_cs, stride_nb, stride_ob, stride_os,
     K,
-    SMALL: tl.constexpr, BIG: tl.constexpr, BLOCK_K: tl.constexpr,
+    SMALL: tl.constexpr, MID: tl.constexpr, BIG: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """OUT[b, t, :K] from `_compact_kernel`'s candidates (in pool order): the row kernel's selection over
-    them, in a SMALL block where the count fits it (the usual case: a little over K), else in BIG."""
+    them, in the smallest of three blocks that holds the count (SMALL the usual case: a little over K)."""
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     n = tl.load(CNT + b * stride_nb + t)
@@ -332,6 +336,8 @@ def _select_candidates_kernel(
     out_row = OUT + b * stride_ob + t * stride_os
     if n <= SMALL:
         _select_candidate_block(CS + c_row, CI + c_row, n, K, out_row, SMALL, BLOCK_K)
+    elif n <= MID:
+        _select_candidate_block(CS + c_row, CI + c_row, n, K, out_row, MID, BLOCK_K)
     else:
         _select_candidate_block(CS + c_row, CI + c_row, n, K, out_row, BIG, BLOCK_K)
 
@@ -413,11 +419,13 @@ def _last_contig(x: torch.Tensor) -> torch.Tensor:
 
 
 ROW_CAP = 32768  # the longest row `_select_rows_kernel` holds in registers (16 warps x 64 keys a thread)
-ROW_AUTO = 16384  # "auto" takes the row kernel up to rows this long: past it torch.topk + emit is faster (H200)
+ROW_AUTO = 8192  # "auto" takes the row kernel up to rows this long: past it "compact" is faster (H200)
 GROUP = 16  # pools per group maximum that the score kernel writes for "compact"
 GROUP_ROW_CAP = 16384  # group maxima a row `_compact_kernel` holds in registers; wider rows take coarser groups
-COMPACT_SMALL = 4096  # `_select_candidates_kernel`'s block for the usual candidate count (a little over k)
+COMPACT_BLOCK_S = 8192  # scores a step of `_compact_kernel`'s pass over a row
+COMPACT_WARPS = 8  # `_compact_kernel`'s warps (more where its group maxima need them)
 SELECTS = ("auto", "rows", "compact", "topk")
+SELECT_ENV = "LONGCTX_INDEXER_SELECT"  # kpool_topk_triton's selection for a whole run (benchmark comparisons)
 
 
 def compact_group(n: int, k: int) -> int | None:
@@ -431,11 +439,11 @@ def compact_group(n: int, k: int) -> int | None:
 
 def _auto_method(n: int, k: int) -> str:
     """"auto"'s choice for rows of n scores: the row kernel up to ROW_AUTO, then "compact" where its buffer
-    fits and a row has at least 2k groups (fewer bound the k-th score loosely), else "topk"."""
+    fits and a row has more than k groups (with fewer it keeps every score), else "topk"."""
     if max(16, triton.next_power_of_2(n)) <= ROW_AUTO:
         return "rows"
     group = compact_group(n, k)
-    return "compact" if group is not None and triton.cdiv(n, group) >= 2 * k else "topk"
+    return "compact" if group is not None and triton.cdiv(n, group) > k else "topk"
 
 
 def group_maxima(score: torch.Tensor, group: int) -> torch.Tensor:
@@ -450,10 +458,8 @@ def group_maxima(score: torch.Tensor, group: int) -> torch.Tensor:
 def _compact(score: torch.Tensor, k: int, gmax: torch.Tensor | None, group: int):
     """`_compact_kernel` on [B, c, n] scores: the candidates' scores, ids, counts and the buffer's width."""
     B, c, n = score.shape
-    if gmax is None or gmax.shape[-1] != triton.cdiv(n, group):
-        src = gmax if gmax is not None else score
-        step = group // GROUP if gmax is not None else group
-        gmax = group_maxima(src, step)
+    if gmax is None or gmax.shape[-1] != triton.cdiv(n, group):  # none, or GROUP's: coarsen to the group
+        gmax = group_maxima(score, group) if gmax is None else group_maxima(gmax, group // GROUP)
     gmax = _last_contig(gmax)
     ng = gmax.shape[-1]
     cap = k * group
@@ -464,7 +470,8 @@ def _compact(score: torch.Tensor, k: int, gmax: torch.Tensor | None, group: int)
     _compact_kernel[(c, B)](
         score, gmax, cs, ci, cnt,
         score.stride(0), score.stride(1), gmax.stride(0), gmax.stride(1), cs.stride(0), cs.stride(1), cnt.stride(0),
-        n, ng, k, cap, BLOCK_G=block_g, BLOCK_S=4096, num_warps=min(16, max(4, block_g // 1024)),
+        n, ng, k, cap, BLOCK_G=block_g, BLOCK_S=COMPACT_BLOCK_S,
+        num_warps=min(16, max(COMPACT_WARPS, block_g // 1024)),
     )
     return cs, ci, cnt, cap
 
@@ -488,7 +495,8 @@ def _select_compact(score: torch.Tensor, k: int, out: torch.Tensor, gmax: torch.
     big = max(16, triton.next_power_of_2(cap))
     _select_candidates_kernel[(c, B)](
         cs, ci, cnt, out, cs.stride(0), cs.stride(1), cnt.stride(0), out.stride(0), out.stride(1), k,
-        SMALL=min(big, COMPACT_SMALL), BIG=big, BLOCK_K=min(1024, max(16, triton.next_power_of_2(k))),
+        SMALL=min(big, max(16, triton.next_power_of_2(2 * k))), MID=min(big, max(16, triton.next_power_of_2(8 * k))),
+        BIG=big, BLOCK_K=min(1024, max(16, triton.next_power_of_2(k))),
         num_warps=min(32, max(4, big // 2048)),
     )
 
@@ -590,13 +598,14 @@ def kpool_scores_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool
 
 def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, k_pools: int,
                       chunk: int = 1024, q_offset: int = 0, cfg: dict | None = None,
-                      select: str = "triton") -> torch.Tensor:
+                      select: str | None = None) -> torch.Tensor:
     """int32 [B, S, k_pools], the same function as `naive.kpool_topk_torch`: `chunk` queries are scored
     into an fp32 [B, chunk, pools they can see] buffer by the score kernel, then selected by `select`:
     "triton" (`select_from_scores_triton`'s "auto": the row kernel on rows of up to ROW_AUTO pools, past
     them "compact" with the group maxima the score kernel writes beside the buffer), one of its methods by
     name ("rows", "compact", "topk": the benchmark's baselines), or "torch" (`naive.select_from_scores`,
-    which the tests use to check the score kernel alone).
+    which the tests use to check the score kernel alone). None: $LONGCTX_INDEXER_SELECT, else "triton"
+    (what a whole run's comparison against another selection sets).
 
     q [B,S,H,D] and pk [B,NP,D] share bf16/fp16/fp32 (fp32 runs the MMAs in IEEE fp32); w [B,S,H] is read
     as fp32; q_offset is the absolute position of q[:, 0]. `cfg` overrides the tile config (BLOCK_M,
@@ -605,13 +614,17 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
     _check(q, w, pk, pool, k_pools, q_offset)
     if chunk < 1:
         raise ValueError(f"kpool_topk_triton: chunk={chunk}; use a positive number of queries")
+    if select is None:
+        select = os.environ.get(SELECT_ENV, "triton")
     if select not in ("triton", "rows", "compact", "topk", "torch"):
-        raise ValueError(f"kpool_topk_triton: select={select!r}; use 'triton', 'rows', 'compact', 'topk' or 'torch'")
+        raise ValueError(f"kpool_topk_triton: select={select!r} (argument or ${SELECT_ENV}); use 'triton', 'rows', "
+                         f"'compact', 'topk' or 'torch'")
     B, S = q.shape[:2]
     NP = pk.shape[1]
     out = torch.full((B, S, k_pools), -1, dtype=torch.int32, device=q.device)
     if S == 0 or k_pools == 0:
         return out
+    block_n = {**_cfg(*q.shape[2:]), **(cfg or {})}["BLOCK_N"]
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         n = min(NP, (q_offset + s1) // pool)  # pools the chunk's last query can see
@@ -619,8 +632,10 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
             continue
         method = _select_method(select, n, k_pools)
         if method == "compact":
+            group = compact_group(n, k_pools)  # the score kernel writes the group's maxima where its tile holds it
+            group = group if block_n % group == 0 else GROUP
             score, gm = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg,
-                                            group=GROUP)
+                                            group=group)
             out[:, s0:s1] = select_from_scores_triton(score, k_pools, method=method, gmax=gm)
             continue
         score = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg)
