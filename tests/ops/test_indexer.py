@@ -168,8 +168,10 @@ def _run_compact_cases() -> None:
             if not torch.equal(tri.select_from_scores_triton(sc, k, method="compact", gmax=tri.group_maxima(sc, 16)), ref):
                 bad.append((n, k, name, "gmax"))
     # rows wider than GROUP_ROW_CAP groups take coarser groups (here from 32 groups a row on)
-    cap = tri.GROUP_ROW_CAP
-    tri.GROUP_ROW_CAP = 32
+    import longctx.ops.indexer as ind
+
+    cap = ind.GROUP_ROW_CAP
+    ind.GROUP_ROW_CAP = 32
     try:
         sc = torch.where(torch.rand(1, 5, 1500, generator=g) < 0.9, torch.randn(1, 5, 1500, generator=g), float("-inf"))
         group = tri.compact_group(1500, 9)
@@ -177,7 +179,7 @@ def _run_compact_cases() -> None:
                            select_from_scores(sc, sc != float("-inf"), 9)):
             bad.append((1500, 9, "coarse"))
     finally:
-        tri.GROUP_ROW_CAP = cap
+        ind.GROUP_ROW_CAP = cap
     # the score kernel's group maxima are its scores' (-inf where nothing is selectable), and the whole path
     # with them picks what the twin picks, on rows of up to 25 groups
     q, w, pk = int_problem(1, 400, 4, 16, 400, 3, seed=21, dtype=torch.float32)

@@ -16,8 +16,24 @@ from .. import fast_path_problem, lazy_attr, module_import_error
 
 IMPLS = ("auto", "torch", "triton")
 
+ROW_CAP = 32768  # the longest row the Triton path's row kernel holds in registers (16 warps x 64 keys a thread)
+ROW_AUTO = 8192  # its "auto" takes the row kernel up to rows this long: past it "compact" is faster (H200)
+GROUP = 16  # pools per group maximum that the score kernel writes for the "compact" selection
+GROUP_ROW_CAP = 16384  # group maxima a row the compact kernel holds in registers; wider rows take coarser groups
+
+
+def compact_group(n: int, k: int) -> int | None:
+    """The pools per group the Triton path's "compact" selection uses on rows of n scores with k picks
+    (GROUP, or a power-of-two multiple of it so that a row has at most GROUP_ROW_CAP groups), or None
+    where its candidate buffer (k x group) would not fit one register row (ROW_CAP). Plain arithmetic, so
+    the memory estimate uses it without importing Triton."""
+    groups = -(-n // GROUP)
+    m = -(-groups // GROUP_ROW_CAP)
+    group = GROUP * (1 << max(0, m - 1).bit_length())
+    return None if k * group > ROW_CAP else group
+
 _TWINS = {"kpool_scores_torch": "naive", "kpool_topk_torch": "naive", "select_from_scores": "naive"}
-__all__ = ["IMPLS", "unavailable", *_TWINS]
+__all__ = ["IMPLS", "ROW_AUTO", "ROW_CAP", "GROUP", "GROUP_ROW_CAP", "compact_group", "unavailable", *_TWINS]
 
 
 def __getattr__(name: str):

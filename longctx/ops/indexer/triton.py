@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .. import triton_interpreting as _interpreting
+from . import GROUP, ROW_AUTO, ROW_CAP, compact_group
 from .naive import select_from_scores
 
 _MAX_HEADS = 128
@@ -418,23 +419,10 @@ def _last_contig(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-ROW_CAP = 32768  # the longest row `_select_rows_kernel` holds in registers (16 warps x 64 keys a thread)
-ROW_AUTO = 8192  # "auto" takes the row kernel up to rows this long: past it "compact" is faster (H200)
-GROUP = 16  # pools per group maximum that the score kernel writes for "compact"
-GROUP_ROW_CAP = 16384  # group maxima a row `_compact_kernel` holds in registers; wider rows take coarser groups
 COMPACT_BLOCK_S = 8192  # scores a step of `_compact_kernel`'s pass over a row
 COMPACT_WARPS = 8  # `_compact_kernel`'s warps (more where its group maxima need them)
 SELECTS = ("auto", "rows", "compact", "topk")
 SELECT_ENV = "LONGCTX_INDEXER_SELECT"  # kpool_topk_triton's selection for a whole run (benchmark comparisons)
-
-
-def compact_group(n: int, k: int) -> int | None:
-    """The pools per group "compact" uses on rows of n scores with k picks (GROUP, or a multiple of it so
-    that a row has at most GROUP_ROW_CAP groups), or None where its candidate buffer (k x group) would not
-    fit one register row (ROW_CAP)."""
-    g = triton.cdiv(n, GROUP)
-    group = GROUP * triton.next_power_of_2(triton.cdiv(g, GROUP_ROW_CAP))
-    return None if k * group > ROW_CAP else group
 
 
 def _auto_method(n: int, k: int) -> str:
@@ -637,10 +625,12 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
             score, gm = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg,
                                             group=group)
             out[:, s0:s1] = select_from_scores_triton(score, k_pools, method=method, gmax=gm)
+            del score, gm  # before the next chunk's buffer: one buffer alive at a time
             continue
         score = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg)
         if method != "torch":
             out[:, s0:s1] = select_from_scores_triton(score, k_pools, method=method)
         else:
             out[:, s0:s1] = select_from_scores(score, score != float("-inf"), k_pools)
+        del score
     return out
