@@ -8,18 +8,21 @@ id): on inputs whose fp32 scores are exact the ids equal the twin's id for id.
 Why two phases. A single kernel that never stores a score (a radix select over the fp32 bits of the
 scores, recomputing every tile on each of its ~4 passes) keeps only its output, but each pass runs at
 ~10% of the MMA rate, its epilogue (ReLU, weighting, head sum, histogram) dominating: 293.8 ms at 128k
-tokens on the H200 against 92.6 ms here, with the same picks on every row. Here the tiles are scored
+tokens on the H200 against 92.6 ms for two phases with torch.topk's selection, with the same picks on
+every row. Here the tiles are scored
 once (MMA, ReLU, weighted head sum; a strip of pool tiles per program so q stays in registers) into
 O(chunk x pools) memory.
 
-The selection, two ways with the same result. Rows of up to ROW_AUTO scores go to one kernel a row that
-holds the row in registers, finds its k-th score by a four-way search over order-preserving uint32 keys
-and emits with prefix sums: one read of the row. Longer rows take torch.topk's k-th score and an emit
-kernel that reads the row twice. On the H200, 1,024 rows of k = 512 (bench/indexer.py --probe,
-`select_by_width`): 0.16 against 0.29 ms at 8,192 scores a row, 0.37 against 0.59 at 16,384, 1.10
-against 0.88 at 32,768, where the row kernel's ~16 whole-row reductions across 16 warps cost more than
-topk. A radix k-th select of our own over the buffer is exact but no faster than topk (44.2 ms against
-44.8 at 128k). docs/design/indexer.md has the floor and what would approach it.
+The selection, by row width, the same result every way. Rows of up to ROW_AUTO scores go to one kernel
+a row that holds the row in registers, finds its k-th score by a four-way search over order-preserving
+uint32 keys and emits with prefix sums: one read of the row. Longer rows go to "compact": the score kernel
+also writes each 16 pools' largest score; the k-th largest of those bounds the row's k-th score from
+below, so one kernel keeps the scores at or above it (at most k x 16 by construction, in pool order) and
+a second runs the row kernel's selection over them. On the H200 (bench/indexer.py --select-widths, 1,024
+rows, k = 512) "compact" takes 0.36 ms at 32,768 scores a row against 1.08 for the row kernel and 0.85 for
+torch.topk + emit, and 9.3 against 20.7 ms (topk + emit) at 1,048,576; the whole path at 128k tokens 60.1
+against 95.4 ms (topk + emit on every row). torch.topk + emit stays as the baseline and for rows whose
+buffer would not fit (past 4M tokens). docs/design/indexer.md has the floor and what would approach it.
 
 Runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (the CPU tests do that).
 Shapes it cannot take raise a ValueError naming the shape.
