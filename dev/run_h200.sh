@@ -47,12 +47,13 @@ echo "$(date +%T) part $part"
 case "$part" in
 tests)
   # each file under its own timeout (TEST_S, 200 s; 420 for the chunked step, which compiles fla's fp32
-  # kernels for its shapes on a cold machine) so that one slow file does not hide the others; GPU_TESTS_K:
+  # kernels for its shapes on a cold machine, and for the indexer's, whose exact-input cases compile every
+  # selection's kernels for seven configs) so that one slow file does not hide the others; GPU_TESTS_K:
   # a pytest -k expression; logged whole, with each test's duration (a tail loses the failures)
   for f in ${GPU_TESTS:-$GPU_TEST_FILES}; do
     case "$f" in */*) ;; *) f=$(ls tests/test_${f}_gpu.py tests/*/test_${f}_gpu.py 2>/dev/null | head -1) ;; esac
     echo "=== $f" >> "$OUT/gpu_tests.log"
-    t=${TEST_S:-200}; case "$f" in *sequence_chunks*) [ -z "${TEST_S:-}" ] && t=420 ;; *indexer_gpu*) [ -z "${TEST_S:-}" ] && t=300 ;; esac
+    t=${TEST_S:-200}; case "$f" in *sequence_chunks*|*indexer_gpu*) [ -z "${TEST_S:-}" ] && t=420 ;; esac
     timeout $(left $t) python -m pytest -q -rfE --tb=short -s --durations=0 -o faulthandler_timeout=240 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} "$f" >> "$OUT/gpu_tests.log" 2>&1
     echo "=== $f: exit $?" | tee -a "$OUT/gpu_tests.log"
   done
