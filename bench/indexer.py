@@ -6,16 +6,19 @@
 
 Problem (the h200-ref indexer): q [1,S,16,64] bf16 (pre-scaled), w [1,S,16] fp32, pooled keys
 [1,S/4,64] bf16, pool 4, top-512 pools (top-2048 tokens). Per S it times the Triton path
-(`ops/indexer/triton.py`, "two_phase": a score kernel into an fp32 [1024, pools] buffer, then one kernel a
-row that finds its k-th score and emits its picks; "two_phase_topk": the same with each row's k-th score by
-torch.topk and an emit kernel that reads the row twice), the chunked torch twin (256 queries per pass, up to
+(`ops/indexer/triton.py`, "two_phase": a score kernel into an fp32 [1024, pools] buffer, then the default
+selection by row width, the row kernel or "compact"; "two_phase_topk": the same with each row's k-th score
+by torch.topk and an emit kernel that reads the row twice; "two_phase_rows", up to 128k: the row kernel on
+every row), the chunked torch twin (256 queries per pass, up to
 --torch-max) and the unchunked twin (an fp32 [S,H,NP] workspace) until it runs out of memory (recorded
 as {"oom": true}), records each one's peak memory above the inputs, and checks the Triton path's picks
 against the chunked twin (rows that differ, and whether every difference is a near-tie).
 
 Floor: the scoring matmul alone at the measured bf16 MMA rate, 2*H*D*S*(S/P)/2 flops (causal) /
 778e12 flop/s; every implementation reports ms / floor. `--probe` times the Triton path's parts alone
-(the scoring matmul, torch.topk, the buffer's HBM traffic); `--sweep` its tile configs.
+(the scoring matmul, torch.topk, the buffer's HBM traffic); `--select-widths` each selection on 1,024 random
+rows of each width (compact with its candidate counts, also on rows rising with the pool id; `--compact-sweep`
+its kernel's step and warps); `--sweep` the score kernel's tile configs.
 A time budget (--budget-s, about two minutes) skips the cases projected to overrun it (scaling
 the last time by S^2), recorded as skipped. Writes DIR/indexer.json (indexer_cpu_smoke.json).
 """
