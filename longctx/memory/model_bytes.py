@@ -44,7 +44,7 @@ import json
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..ops.indexer import ROW_AUTO, compact_group
+from ..ops.indexer import auto_method, compact_group
 from .plan import MemoryPlan
 
 GIB = 2**30
@@ -270,7 +270,7 @@ def _indexer_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, fused: bool =
         # and the fp32 score buffer of one block of queries against the pools they see; past ROW_AUTO pools
         # the "compact" selection's group maxima and its candidates (fp32 score + int32 id, k x group a row)
         c, k = min(Q, TWO_PHASE_CHUNK), cfg.index_topk // P
-        group = compact_group(pools, k) if pools > ROW_AUTO else None
+        group = compact_group(pools, k) if auto_method(pools, k) == "compact" else None
         select = c * (-(-pools // group) * 4 + k * group * 8) if group else 0
         return out + Q * k * 4 + min(Q, 8192) * W * 8 * 2 + c * pools * 4 + select
     rows = min(Q, plan.indexer_chunk) if plan.chunked_indexer else Q

@@ -32,8 +32,18 @@ def compact_group(n: int, k: int) -> int | None:
     group = GROUP * (1 << max(0, m - 1).bit_length())
     return None if k * group > ROW_CAP else group
 
+
+def auto_method(n: int, k: int) -> str:
+    """The selection the Triton path's "auto" runs on rows of n scores with k picks: the row kernel ("rows")
+    up to ROW_AUTO, then "compact" where its buffer fits and a row has more than k groups (with fewer it
+    keeps every score), else "topk"."""
+    if n <= ROW_AUTO:
+        return "rows"
+    group = compact_group(n, k)
+    return "compact" if group is not None and -(-n // group) > k else "topk"
+
 _TWINS = {"kpool_scores_torch": "naive", "kpool_topk_torch": "naive", "select_from_scores": "naive"}
-__all__ = ["IMPLS", "ROW_AUTO", "ROW_CAP", "GROUP", "GROUP_ROW_CAP", "compact_group", "unavailable", *_TWINS]
+__all__ = ["IMPLS", "ROW_AUTO", "ROW_CAP", "GROUP", "GROUP_ROW_CAP", "compact_group", "auto_method", "unavailable", *_TWINS]
 
 
 def __getattr__(name: str):

@@ -6,10 +6,9 @@ Same function as `naive.kpool_topk_torch` (ascending int32 pool ids, -1 padded, 
 id): on inputs whose fp32 scores are exact the ids equal the twin's id for id.
 
 Why two phases. A single kernel that never stores a score (a radix select over the fp32 bits of the
-scores, recomputing every tile on each of its ~4 passes) keeps only its output, but each pass runs at
-~10% of the MMA rate, its epilogue (ReLU, weighting, head sum, histogram) dominating: 293.8 ms at 128k
-tokens on the H200 against 92.6 ms for two phases with torch.topk's selection, with the same picks on
-every row. Here the tiles are scored
+scores, recomputing every tile on each of its ~4 passes) keeps only its output, but its per-score
+epilogue (ReLU, weighting, head sum, histogram) runs on every pass and dominates it, about three times
+the two phases' time at 128k tokens on the H200 (docs/design/indexer.md). Here the tiles are scored
 once (MMA, ReLU, weighted head sum; a strip of pool tiles per program so q stays in registers) into
 O(chunk x pools) memory.
 
@@ -37,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .. import triton_interpreting as _interpreting
-from . import GROUP, ROW_AUTO, ROW_CAP, compact_group
+from . import GROUP, ROW_CAP, auto_method, compact_group
 from .naive import select_from_scores
 
 _MAX_HEADS = 128
@@ -428,15 +427,6 @@ SELECTS = ("auto", "rows", "compact", "topk")
 SELECT_ENV = "LONGCTX_INDEXER_SELECT"  # kpool_topk_triton's selection for a whole run (benchmark comparisons)
 
 
-def _auto_method(n: int, k: int) -> str:
-    """"auto"'s choice for rows of n scores: the row kernel up to ROW_AUTO, then "compact" where its buffer
-    fits and a row has more than k groups (with fewer it keeps every score), else "topk"."""
-    if max(16, triton.next_power_of_2(n)) <= ROW_AUTO:
-        return "rows"
-    group = compact_group(n, k)
-    return "compact" if group is not None and triton.cdiv(n, group) > k else "topk"
-
-
 def group_maxima(score: torch.Tensor, group: int) -> torch.Tensor:
     """[..., n] -> [..., ceil(n / group)]: the largest score of each `group` consecutive ones (-inf pads)."""
     n = score.shape[-1]
@@ -504,7 +494,7 @@ def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, blo
       at most k x group, then the row kernel's selection runs over them (`_compact_kernel`,
       `_select_candidates_kernel`; where k x group fits ROW_CAP, `compact_group`);
     - "topk": torch.topk's k-th score, then an emit kernel that reads the row twice;
-    - "auto": `_auto_method` ("rows" for rows of at most ROW_AUTO scores, "compact" past them where it
+    - "auto": `auto_method` ("rows" for rows of at most ROW_AUTO scores, "compact" past them where it
       applies, else "topk"; the split by row width is measured: bench/indexer.py --probe, `select_by_width`).
 
     All give the same ids."""
@@ -528,7 +518,7 @@ def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, blo
         raise ValueError(f"select_from_scores_triton: method='compact' needs k x its group within {ROW_CAP} "
                          f"(rows of {n}, k={k}, group {GROUP} or more); use method='auto'")
     if method == "auto":
-        method = _auto_method(n, k)
+        method = auto_method(n, k)
     if method == "rows":
         _select_rows_kernel[(c, B)](
             score, out, score.stride(0), score.stride(1), out.stride(0), out.stride(1), n, k,
@@ -545,11 +535,6 @@ def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, blo
         c, n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=4,
     )
     return out
-
-
-def _select_method(select: str, n: int, k: int) -> str:
-    """What `select_from_scores_triton` runs for kpool_topk_triton's `select` on rows of n scores."""
-    return _auto_method(n, k) if select == "triton" else select
 
 
 def kpool_scores_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, n_cols: int,
@@ -621,19 +606,17 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
         n = min(NP, (q_offset + s1) // pool)  # pools the chunk's last query can see
         if n == 0:
             continue
-        method = _select_method(select, n, k_pools)
-        if method == "compact":
-            group = compact_group(n, k_pools)  # the score kernel writes the group's maxima where its tile holds it
-            group = group if block_n % group == 0 else GROUP
-            score, gm = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg,
-                                            group=group)
-            out[:, s0:s1] = select_from_scores_triton(score, k_pools, method=method, gmax=gm)
-            del score, gm  # before the next chunk's buffer: one buffer alive at a time
-            continue
-        score = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg)
+        method = auto_method(n, k_pools) if select == "triton" else select
+        group = 0
+        if method == "compact":  # the score kernel writes the group's maxima where its tile holds the group
+            group = compact_group(n, k_pools)
+            group = group if group is not None and block_n % group == 0 else GROUP
+        score = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg,
+                                    group=group)
+        score, gm = score if group else (score, None)
         if method != "torch":
-            out[:, s0:s1] = select_from_scores_triton(score, k_pools, method=method)
+            out[:, s0:s1] = select_from_scores_triton(score, k_pools, method=method, gmax=gm)
         else:
             out[:, s0:s1] = select_from_scores(score, score != float("-inf"), k_pools)
-        del score
+        del score, gm  # before the next chunk's buffer: one buffer alive at a time
     return out

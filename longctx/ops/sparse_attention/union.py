@@ -34,7 +34,7 @@ both builds give the same Union (same packed, length and width); `method="merge"
 sequence until that sync (the union's width is not known before it).
 
 The cost model (per query, H200, from bench/results/sparse_attention.json at 128k). A program of M rows
-costs c(M) per slot it visits; today's kernel visits k ~ 2051 slots per query at M = H; the union kernel
+costs c(M) per slot it visits; the per-query kernel visits k ~ 2051 slots per query at M = H; the union kernel
 visits U_G slots per group of G queries at M = G x H (rows padded to 16 .. 64; more than 64 rows take
 ceil(G H / 64) programs that each visit the whole union):
 
@@ -53,7 +53,7 @@ every query of a group to select the same rows); G = 2 breaks even at U_2 / k = 
 the 10% margin below, G = 4 is chosen while U_4 / k < 1.61 and G = 2 while U_2 / k < 1.26. G = 8 at 16
 heads needs two programs per group and never beats G = 4. At H = 64
 only G = 1 has M <= 64 (two programs of 64 rows per group would each re-gather the union and do U_G / k
-times the flops of a kernel that is already MMA-bound), so the model keeps today's kernel. The build is
+times the flops of a kernel that is already MMA-bound), so the model keeps the per-query kernel. The build is
 costed at c_build = 0.15 ns a (query, slot), the merge build's on the H200 (10.1 ms at 32k, 38.9 ms at
 128k on trained-like selections, `bench/sparse_attention.py --union-only`). G is chosen from U_G / k
 measured on a sample of 128 windows of 8 queries spread over the sequence, and only where the model
