@@ -268,10 +268,11 @@ def _indexer_workspace(cfg: ModelConfig, S: int, plan: MemoryPlan, fused: bool =
     out = Q * W * 4 + pools * cfg.index_head_dim * 4  # the int32 selection, the pooled keys
     if fused:  # the kernel's int32 pool ids, then token expansion in blocks of 8192 rows (int64 + mask),
         # and the fp32 score buffer of one block of queries against the pools they see; past ROW_AUTO pools
-        # the "compact" selection's group maxima and its candidates (fp32 score + int32 id, k x group a row)
+        # the "compact" selection's group maxima, the ids of the groups it reads (k a row) and its
+        # candidates (fp32 score + int32 id, k x group a row)
         c, k = min(Q, TWO_PHASE_CHUNK), cfg.index_topk // P
         group = compact_group(pools, k) if auto_method(pools, k) == "compact" else None
-        select = c * (-(-pools // group) * 4 + k * group * 8) if group else 0
+        select = c * (-(-pools // group) * 4 + k * 4 + k * group * 8) if group else 0
         return out + Q * k * 4 + min(Q, 8192) * W * 8 * 2 + c * pools * 4 + select
     rows = min(Q, plan.indexer_chunk) if plan.chunked_indexer else Q
     # fp32 scores per head for a block of queries, the head-summed score, top-k values/indices

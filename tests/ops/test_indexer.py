@@ -145,6 +145,20 @@ def _run_layer_cases() -> None:
                                   "full_equal_last": bool(torch.equal(full[:, 66:], outs["triton"]))}), flush=True)
 
 
+def _compact_count(sc: torch.Tensor, k: int, group: int) -> torch.Tensor:
+    """How many candidates "compact" keeps a row: those above T (the k-th largest group maximum; every
+    valid score where at most k groups are valid), then the first k - (groups above T) equal to it."""
+    pad = (-sc.shape[-1]) % group
+    gm = torch.nn.functional.pad(sc, (0, pad), value=float("-inf")).unflatten(-1, (-1, group)).amax(-1)
+    n_valid = (gm != float("-inf")).sum(-1, keepdim=True)
+    thr = gm.topk(min(k, gm.shape[-1]), -1).values[..., -1:]
+    thr = torch.where(n_valid <= k, torch.full_like(thr, -float("inf")), thr)
+    valid = sc != float("-inf")
+    gt = (valid & (sc > thr)).sum(-1)
+    eq = (valid & (sc == thr)).sum(-1)
+    return (gt + torch.minimum(eq, k - (gm > thr).sum(-1))).int()
+
+
 def _run_compact_cases() -> None:
     """The "compact" selection: the k-th largest group maximum bounds the k-th score from below, the scores
     at or above it go to a buffer, the row kernel selects among them."""
@@ -167,6 +181,15 @@ def _run_compact_cases() -> None:
                 bad.append((n, k, name))
             if not torch.equal(tri.select_from_scores_triton(sc, k, method="compact", gmax=tri.group_maxima(sc, 16)), ref):
                 bad.append((n, k, name, "gmax"))
+            # steps of two groups: the pass over a row's groups in several steps, ties counted across them
+            block_s, tri.COMPACT_BLOCK_S = tri.COMPACT_BLOCK_S, 32
+            try:
+                if not torch.equal(tri.select_from_scores_triton(sc, k, method="compact"), ref):
+                    bad.append((n, k, name, "steps"))
+                if not torch.equal(tri.compact_candidates(sc, k), _compact_count(sc, k, 16)):
+                    bad.append((n, k, name, "count"))
+            finally:
+                tri.COMPACT_BLOCK_S = block_s
     # rows wider than GROUP_ROW_CAP groups take coarser groups (here from 32 groups a row on)
     import longctx.ops.indexer as ind
 

@@ -137,9 +137,10 @@ def test_row_select_kernel_matches_twin_on_long_rows(n):
 def test_compact_select_matches_twin_on_wide_rows(n):
     """"compact" on rows past the row kernel (what `auto` runs there), with group maxima coarsened past
     GROUP_ROW_CAP groups: the twin's picks on float rows, tied integer rows, rows rising with the pool id
-    (the best pools packed into the last groups) and all-equal rows."""
+    (the best pools packed into the last groups) and all-equal rows; as many candidates as the bound says."""
     from longctx.ops.indexer.naive import select_from_scores
-    from longctx.ops.indexer.triton import compact_group, group_maxima, select_from_scores_triton
+    from longctx.ops.indexer.triton import compact_candidates, compact_group, group_maxima, select_from_scores_triton
+    from test_indexer import _compact_count  # tests/ops is on sys.path (pytest's rootdir import mode)
 
     g = torch.Generator(device="cuda").manual_seed(n)
     c, k = 8, 512
@@ -152,6 +153,7 @@ def test_compact_select_matches_twin_on_wide_rows(n):
         ref = select_from_scores(sc, valid, k)
         assert torch.equal(select_from_scores_triton(sc, k), ref)
         assert torch.equal(select_from_scores_triton(sc, k, method="compact", gmax=group_maxima(sc, 16)), ref)
+        assert torch.equal(compact_candidates(sc, k, group_maxima(sc, 16)), _compact_count(sc, k, compact_group(n, k)))
 
 
 @pytest.mark.parametrize("group", [16, 32, 64])
@@ -195,8 +197,9 @@ def test_memory_is_one_buffer_of_queries():
     out = kpool_topk_triton(q, w, pk, P, K, chunk=chunk)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    n = S // P  # past ROW_AUTO pools: the buffer, its 16-pool maxima and compact's candidates, k x 16 a row
-    bound = out.numel() * 4 + chunk * n * 4 * (1 + 1 / 16) + chunk * K * 16 * 8 + chunk * K * 4 + (1 << 20)
+    n = S // P  # past ROW_AUTO pools: the buffer, its 16-pool maxima, compact's candidates (k x 16 a row)
+    # and the ids of the groups it reads (k a row)
+    bound = out.numel() * 4 + chunk * n * 4 * (1 + 1 / 16) + chunk * K * 16 * 8 + 2 * chunk * K * 4 + (1 << 20)
     assert extra < bound < S * (S // P) * 4 / 8, (extra, bound)
 
 

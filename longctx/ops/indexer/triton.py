@@ -16,8 +16,9 @@ The selection, by row width, the same result every way. Rows of up to ROW_AUTO s
 a row that holds the row in registers, finds its k-th score by a four-way search over order-preserving
 uint32 keys and emits with prefix sums: one read of the row. Longer rows go to "compact": the score kernel
 also writes each 16 pools' largest score; the k-th largest of those bounds the row's k-th score from
-below, so one kernel keeps the scores at or above it (at most k x 16 by construction, in pool order) and
-a second runs the row kernel's selection over them. On the H200 (bench/indexer.py --select-widths, 1,024
+below, so one kernel keeps the scores at or above it (at most k x 16 by construction, in pool order),
+reading only the at most k groups that can hold one, and a second runs the row kernel's selection over
+them. On the H200 (bench/indexer.py --select-widths, 1,024
 rows, k = 512) "compact" takes 0.36 ms at 32,768 scores a row against 1.08 for the row kernel and 0.85 for
 torch.topk + emit, and 9.3 against 20.7 ms (topk + emit) at 1,048,576; the whole path at 128k tokens 60.1
 against 95.4 ms (topk + emit on every row). torch.topk + emit stays as the baseline and for rows whose
@@ -268,10 +269,10 @@ def _select_rows_kernel(
 
 @triton.jit
 def _compact_kernel(
-    SC, GM, CS, CI, CNT,
-    stride_sb, stride_ss, stride_gb, stride_gs, stride_cb, stride_cs, stride_nb,
+    SC, GM, GS, CS, CI, CNT,
+    stride_sb, stride_ss, stride_gb, stride_gs, stride_xb, stride_xs, stride_cb, stride_cs, stride_nb,
     NC, NG, K, CAP,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, GP: tl.constexpr,
 ):
     """Each row's candidates for its K best, in pool order, into CS (scores) / CI (pool ids) [b, t, :CAP]
     and their count into CNT[b, t]. GM holds the row's group maxima (the largest score of each group of
@@ -281,7 +282,12 @@ def _compact_kernel(
     them, so at most K - c scores equal to T are needed (the first ones in pool order: the tie rule's).
     Keeping just those, at most c GP + K - c <= K GP = CAP scores are kept: the buffer never overflows,
     whatever the scores. Where at most K groups are valid, every valid score is kept (at most K GP
-    again)."""
+    again).
+
+    Only groups that can hold a candidate are read: the c groups above T and the first K - c groups whose
+    maximum equals T (each holds a score equal to T, so any later one's come after K - c others). Their
+    ids go to GS[b, t, :K] (at most K of them), and the pass reads those groups' scores alone: at most
+    K GP scores a row instead of the whole row."""
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     offs_g = tl.arange(0, BLOCK_G)
@@ -290,16 +296,24 @@ def _compact_kernel(
     gvalid = gm != float("-inf")
     gkey = tl.where(gvalid, _ordered_key(gm), 0)
     thr = _kth_key(gkey, gvalid, K).to(tl.uint32)
-    # every group with its maximum above T has a score above T, so at most K - (those groups) scores equal
-    # to T are ever needed: the first ones in pool order
-    need_eq = K - tl.sum((gvalid & (gkey > thr)).to(tl.int32), 0)
+    ggt = gvalid & (gkey > thr)
+    geq = gvalid & (gkey == thr)
+    need_eq = K - tl.sum(ggt.to(tl.int32), 0)
+    gsel = ggt | (geq & (tl.cumsum(geq.to(tl.int32), 0) <= need_eq))
+    n_sel = tl.sum(gsel.to(tl.int32), 0)
+    gs_row = GS + b * stride_xb + t * stride_xs
+    tl.store(gs_row + tl.cumsum(gsel.to(tl.int32), 0) - 1, offs_g, mask=gsel)
+    tl.debug_barrier()  # the group ids this program's threads wrote are read back by others
     row = SC + b * stride_sb + t * stride_ss
     c_row = b * stride_cb + t * stride_cs
     cnt = tl.zeros([], dtype=tl.int32)
     seen = tl.zeros([], dtype=tl.int32)
-    for n0 in range(0, NC, BLOCK_S):
-        offs = n0 + tl.arange(0, BLOCK_S)
-        sc = tl.load(row + offs, mask=offs < NC, other=float("-inf"))
+    lane = tl.arange(0, BLOCK_S)
+    for j0 in range(0, n_sel * GP, BLOCK_S):  # BLOCK_S // GP selected groups a step, in pool order
+        jj = (j0 + lane) // GP
+        on = jj < n_sel
+        offs = tl.load(gs_row + jj, mask=on, other=0) * GP + lane % GP
+        sc = tl.load(row + offs, mask=on & (offs < NC), other=float("-inf"))
         sc = tl.where(sc == 0.0, 0.0, sc)
         valid = sc != float("-inf")
         key = tl.where(valid, _ordered_key(sc), 0)
@@ -313,11 +327,10 @@ def _compact_kernel(
         else:
             keep = gt | (eq & (seen + tl.cumsum(eq.to(tl.int32), 0) <= need_eq))
             n_keep = tl.sum(keep.to(tl.int32), 0)
-        if n_keep > 0:  # most tiles of a long row keep nothing: no prefix sum for them
-            slot = cnt + tl.cumsum(keep.to(tl.int32), 0) - 1
-            ok = keep & (slot < CAP)
-            tl.store(CS + c_row + slot, sc, mask=ok)
-            tl.store(CI + c_row + slot, offs, mask=ok)
+        slot = cnt + tl.cumsum(keep.to(tl.int32), 0) - 1
+        ok = keep & (slot < CAP)
+        tl.store(CS + c_row + slot, sc, mask=ok)
+        tl.store(CI + c_row + slot, offs, mask=ok)
         cnt += n_keep
         seen += n_eq
     tl.store(CNT + b * stride_nb + t, tl.minimum(cnt, CAP))
@@ -444,14 +457,16 @@ def _compact(score: torch.Tensor, k: int, gmax: torch.Tensor | None, group: int)
     gmax = _last_contig(gmax)
     ng = gmax.shape[-1]
     cap = k * group
+    gs = torch.empty(B, c, k, dtype=torch.int32, device=score.device)  # the ids of the groups a row reads
     cs = torch.empty(B, c, cap, dtype=torch.float32, device=score.device)
     ci = torch.empty(B, c, cap, dtype=torch.int32, device=score.device)
     cnt = torch.empty(B, c, dtype=torch.int32, device=score.device)
     block_g = max(16, triton.next_power_of_2(ng))
     _compact_kernel[(c, B)](
-        score, gmax, cs, ci, cnt,
-        score.stride(0), score.stride(1), gmax.stride(0), gmax.stride(1), cs.stride(0), cs.stride(1), cnt.stride(0),
-        n, ng, k, cap, BLOCK_G=block_g, BLOCK_S=COMPACT_BLOCK_S,
+        score, gmax, gs, cs, ci, cnt,
+        score.stride(0), score.stride(1), gmax.stride(0), gmax.stride(1), gs.stride(0), gs.stride(1),
+        cs.stride(0), cs.stride(1), cnt.stride(0),
+        n, ng, k, cap, BLOCK_G=block_g, BLOCK_S=max(COMPACT_BLOCK_S, group), GP=group,
         num_warps=min(16, max(COMPACT_WARPS, block_g // 1024)),
     )
     return cs, ci, cnt, cap
