@@ -483,12 +483,13 @@ class Bench:
             torch.cuda.synchronize()
             step_s = time.perf_counter() - t0
         tables = []
-        # by operator, then by operator and input shapes (the shapes say which layer an op belongs to)
-        for title, ka in (("by operator", prof.key_averages()),
-                          ("by operator and input shapes", prof.key_averages(group_by_input_shape=True))):
+        # by operator (every row: a per-kernel table sums groups of small kernels too), then by operator
+        # and input shapes (the shapes say which layer an op belongs to)
+        for title, ka, rows in (("by operator", prof.key_averages(), -1),
+                                ("by operator and input shapes", prof.key_averages(group_by_input_shape=True), 60)):
             for key in ("self_device_time_total", "self_cuda_time_total"):
                 try:
-                    tables.append(f"{title}\n{ka.table(sort_by=key, row_limit=60, max_name_column_width=90)}")
+                    tables.append(f"{title}\n{ka.table(sort_by=key, row_limit=rows, max_name_column_width=90)}")
                     break
                 except Exception:  # noqa: BLE001 - the key's name changed across torch versions
                     continue
