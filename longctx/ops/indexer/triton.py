@@ -19,9 +19,9 @@ also writes each 16 pools' largest score; the k-th largest of those bounds the r
 below, so one kernel keeps the scores at or above it (at most k x 16 by construction, in pool order),
 reading only the at most k groups that can hold one, and a second runs the row kernel's selection over
 them. On the H200 (bench/indexer.py --select-widths, 1,024
-rows, k = 512) "compact" takes 0.36 ms at 32,768 scores a row against 1.08 for the row kernel and 0.85 for
-torch.topk + emit, and 9.3 against 20.7 ms (topk + emit) at 1,048,576; the whole path at 128k tokens 60.1
-against 95.4 ms (topk + emit on every row). torch.topk + emit stays as the baseline and for rows whose
+rows, k = 512) "compact" takes 0.24 ms at 32,768 scores a row against 1.06 for the row kernel and 0.80 for
+torch.topk + emit, and 1.09 against 20.7 ms (topk + emit) at 1,048,576; the whole path at 128k tokens 52.1
+against 91.1 ms (topk + emit on every row). torch.topk + emit stays as the baseline and for rows whose
 buffer would not fit (past 4M tokens). docs/design/indexer.md has the floor and what would approach it.
 
 Runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (the CPU tests do that).
