@@ -1,4 +1,4 @@
-"""Compile the indexer's, the sparse-attention backward's, the fused RMSNorm's and SwiGLU's and the mHC projection's
+"""Compile the indexer's (score and selection), the sparse-attention backward's, the fused RMSNorm's and SwiGLU's and the mHC projection's
 (ours and liger's) Triton kernels for the H200
 (sm_90) without a GPU and print what ptxas says, with the MMA and atomic instructions the PTX uses.
 
@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from longctx.ops.mhc import triton as mhc_project  # noqa: E402
-from longctx.ops.indexer.triton import _emit_from_scores_kernel, _kpool_score_kernel  # noqa: E402
+from longctx.ops.indexer.triton import (  # noqa: E402
+    _compact_kernel, _emit_from_scores_kernel, _kpool_score_kernel, _select_candidates_kernel, _select_rows_kernel,
+)
 from longctx.ops.rms_norm.triton import _rms_norm_bwd, _rms_norm_fwd  # noqa: E402
 from longctx.ops.sparse_attention.triton import _sparse_attn_bwd  # noqa: E402
 from longctx.ops.swiglu.triton import BLOCK as SWIGLU_BLOCK  # noqa: E402
@@ -55,7 +57,11 @@ def compile_one(name, kernel, pointers, consts, num_warps, num_stages=2) -> dict
     ops = Counter(m.split(".aligned")[0].replace(".sync", "") for m in
                   re.findall(r"(?:wgmma\.mma_async\.sync\.aligned\.\w+|mma\.sync\.aligned\.\w+|atom\.global[\w.]*add[\w.]*|red\.global\.add[\w.]*)",
                              k.asm["ptx"]))
-    return {"kernel": name, "registers": int(regs.group(1)) if regs else None,
+    # instructions in the PTX (a static count: unrolled loops count every copy, branches both ways)
+    n_instr = sum(1 for line in k.asm["ptx"].splitlines()
+                  if line.strip() and not line.strip().startswith((".", "//", "{", "}", "$", ")"))
+                  and not line.strip().endswith(":"))
+    return {"kernel": name, "registers": int(regs.group(1)) if regs else None, "instructions": n_instr,
             "spill_store_bytes": int(spill.group(1)) if spill else None, "shared_bytes": k.metadata.shared,
             "wgmma": "wgmma" in k.asm["ptx"], "num_warps": num_warps, "ops": dict(ops)}
 
@@ -64,7 +70,18 @@ def main() -> int:
     common = dict(D=64, BLOCK_D=64, BLOCK_H=16, BLOCK_M=16, BLOCK_N=64, PREC="tf32", DOT_F32=False)
     rows = [
         compile_one("indexer score (_kpool_score_kernel)", _kpool_score_kernel,
-                    {"Q": "*bf16", "W": "*fp32", "PK": "*bf16", "OUT": "*fp32"}, dict(common, TILES=8), num_warps=8),
+                    {"Q": "*bf16", "W": "*fp32", "PK": "*bf16", "OUT": "*fp32", "GM": "*fp32"},
+                    dict(common, TILES=8, GROUP=16), num_warps=8),
+        # the selections at k = 512: the row kernel on 8,192 pools, "compact" and its candidates' selection
+        # on rows of up to 32,768 pools (128k tokens)
+        compile_one("indexer rows (_select_rows_kernel)", _select_rows_kernel, {"SC": "*fp32", "OUT": "*i32"},
+                    dict(BLOCK_N=8192, BLOCK_K=512), num_warps=4),
+        compile_one("indexer compact (_compact_kernel)", _compact_kernel,
+                    {"SC": "*fp32", "GM": "*fp32", "GS": "*i32", "CS": "*fp32", "CI": "*i32", "CNT": "*i32"},
+                    dict(BLOCK_G=2048, BLOCK_S=8192, GP=16), num_warps=8),
+        compile_one("indexer candidates (_select_candidates_kernel)", _select_candidates_kernel,
+                    {"CS": "*fp32", "CI": "*i32", "CNT": "*i32", "OUT": "*i32"},
+                    dict(SMALL=1024, MID=4096, BIG=8192, BLOCK_K=512), num_warps=4),
         compile_one("indexer emit (_emit_from_scores_kernel)", _emit_from_scores_kernel,
                     {"SC": "*fp32", "KTH": "*fp32", "OUT": "*i32"}, dict(BLOCK_M=4, BLOCK_N=256, BLOCK_K=128), num_warps=4),
     ]
@@ -122,6 +139,7 @@ def main() -> int:
     print(f"triton {triton.__version__}, target sm_90a")
     for r in rows:
         print(f"{r['kernel']:<44} {r['registers']:>4} registers  {r['spill_store_bytes']} B spilled  "
+              f"{r['instructions']} PTX instructions  "
               f"{r['shared_bytes'] / 1024:.0f} KiB shared  wgmma {r['wgmma']}  ({r['num_warps']} warps)")
         print(f"{'':<44} {r['ops']}")
     return 0
