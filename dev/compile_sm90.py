@@ -22,7 +22,8 @@ from collections import Counter
 from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,13 +39,34 @@ from longctx.ops.swiglu.triton import BLOCK as SWIGLU_BLOCK  # noqa: E402
 from longctx.ops.swiglu.triton import _swiglu_bwd, _swiglu_fwd  # noqa: E402
 
 
-def _sig(kernel, pointers: dict, consts: dict) -> dict:
-    """Pointer arguments as given, constexprs as such, every other argument (strides, sizes) i32."""
-    return {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+def _specialize(kernel, pointers: dict, consts: dict, ints: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) as a real launch specializes them: every pointer 16-byte aligned
+    (torch's allocations are), and each integer argument by the launcher's own rule on its value
+    (`native_specialize_impl`: 1 becomes the constant 1, a multiple of 16 gets tt.divisibility=16).
+    `ints` names the values at the documented shape that are not multiples of 16; every other integer
+    argument is one there. Without this the PTX holds scalar loads and atomics where the launch's
+    build has vector ones (v4 loads, `atom...add.v4.f32`)."""
+    sig, constexprs, attrs = {}, dict(consts), {}
+    for i, n in enumerate(kernel.arg_names):
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in pointers and pointers[n].startswith("*"):
+            sig[n], attrs[(i,)] = pointers[n], [["tt.divisibility", 16]]
+        elif n in pointers:  # float scalars
+            sig[n] = pointers[n]
+        else:
+            ty, spec = native_specialize_impl(BaseBackend, ints.get(n, 16), False, True, True)
+            sig[n] = ty
+            if ty == "constexpr":
+                constexprs[n] = spec
+            elif spec == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, constexprs, attrs
 
 
-def compile_one(name, kernel, pointers, consts, num_warps, num_stages=2) -> dict:
-    src = ASTSource(fn=kernel, signature=_sig(kernel, pointers, consts), constexprs=consts)
+def compile_one(name, kernel, pointers, consts, num_warps, num_stages=2, ints=None) -> dict:
+    sig, constexprs, attrs = _specialize(kernel, pointers, consts, ints or {})
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as d:
@@ -71,7 +93,7 @@ def main() -> int:
     rows = [
         compile_one("indexer score (_kpool_score_kernel)", _kpool_score_kernel,
                     {"Q": "*bf16", "W": "*fp32", "PK": "*bf16", "OUT": "*fp32", "GM": "*fp32"},
-                    dict(common, TILES=8, GROUP=16), num_warps=8),
+                    dict(common, TILES=8, GROUP=16), num_warps=8, ints={"stride_wh": 1, "P": 4}),
         # the selections at k = 512: the row kernel on 8,192 pools, "compact" and its candidates' selection
         # on rows of up to 32,768 pools (128k tokens)
         compile_one("indexer rows (_select_rows_kernel)", _select_rows_kernel, {"SC": "*fp32", "OUT": "*i32"},
@@ -90,7 +112,7 @@ def main() -> int:
     sparse = dict(K=2051, D=512, BLOCK_D=512, BLOCK_H=16, PREC="tf32")
     rows += [
         compile_one("sparse bwd, heads-major (default, H=16)", _sparse_attn_bwd, sparse_ptrs,
-                    dict(sparse, BLOCK_N=16), num_warps=4),
+                    dict(sparse, BLOCK_N=16), num_warps=4, ints={"stride_is": 2051}),
     ]
     # the fused RMSNorm at h200-ref's width (rows of 1536 in blocks of 2048, 8 warps: ops/rms_norm/triton.py _warps)
     norm_ptrs = {"X": "*bf16", "W": "*fp32", "Y": "*bf16", "DY": "*bf16", "DX": "*bf16", "RSTD": "*fp32",
@@ -115,10 +137,10 @@ def main() -> int:
     rows += [
         compile_one("mHC projection fwd (ours)", mhc_project._project_fwd, proj_ptrs,
                     dict(K=6144, BLOCK_N=f["BLOCK_N"], BLOCK_K=f["BLOCK_K"], BLOCK_M=32, PREC="tf32"), f["num_warps"],
-                    f["num_stages"]),
+                    f["num_stages"], ints={"M": 24}),
         compile_one("mHC projection bwd (ours)", mhc_project._project_bwd, proj_ptrs,
                     dict(K=6144, BLOCK_N=b["BLOCK_N"], BLOCK_K=b["BLOCK_K"], BLOCK_M=32, ROW_BLOCKS=b["ROW_BLOCKS"],
-                         PREC="tf32"), b["num_warps"], b["num_stages"]),
+                         PREC="tf32"), b["num_warps"], b["num_stages"], ints={"M": 24}),
     ]
     try:
         from liger_kernel.ops.mhc import _mhc_mm_norm_bwd_fused_kernel, _mhc_mm_norm_fwd_kernel
