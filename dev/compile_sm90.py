@@ -1,6 +1,6 @@
-"""Compile the indexer's (score and selection), the sparse-attention backward's, the fused RMSNorm's and SwiGLU's and the mHC projection's
-(ours and liger's) Triton kernels for the H200
-(sm_90) without a GPU and print what ptxas says, with the MMA and atomic instructions the PTX uses.
+"""Compile the indexer's (score and selection), the sparse attention's (the backward per query, union
+mode both ways), the fused RMSNorm's and SwiGLU's and the mHC projection's (ours and liger's) Triton
+kernels for the H200 (sm_90) without a GPU and print what ptxas says, with the MMA and atomic instructions the PTX uses.
 
     python dev/compile_sm90.py
 
@@ -34,7 +34,7 @@ from longctx.ops.indexer.triton import (  # noqa: E402
     _compact_kernel, _emit_from_scores_kernel, _kpool_score_kernel, _select_candidates_kernel, _select_rows_kernel,
 )
 from longctx.ops.rms_norm.triton import _rms_norm_bwd, _rms_norm_fwd  # noqa: E402
-from longctx.ops.sparse_attention.triton import _sparse_attn_bwd  # noqa: E402
+from longctx.ops.sparse_attention.triton import _sparse_attn_bwd, _union_attn_bwd, _union_attn_fwd  # noqa: E402
 from longctx.ops.swiglu.triton import BLOCK as SWIGLU_BLOCK  # noqa: E402
 from longctx.ops.swiglu.triton import _swiglu_bwd, _swiglu_fwd  # noqa: E402
 
@@ -113,6 +113,15 @@ def main() -> int:
     rows += [
         compile_one("sparse bwd, heads-major (default, H=16)", _sparse_attn_bwd, sparse_ptrs,
                     dict(sparse, BLOCK_N=16), num_warps=4, ints={"stride_is": 2051}),
+    ]
+    # union mode, G = 4 queries x 16 heads = 64 rows a program, at its launch configs (`_cfg(64, 512, ...)`)
+    union_ptrs = dict(sparse_ptrs, UN="*i32", ULEN="*i32")
+    union = dict(G=4, U_LOOP=-1, D=512, BLOCK_D=512, BLOCK_M=64, BLOCK_N=32, PREC="tf32")
+    rows += [
+        compile_one("sparse union fwd (G=4, H=16)", _union_attn_fwd, union_ptrs, dict(union, LOOKAHEAD=True),
+                    num_warps=8, ints={"U_pad": 2051}),
+        compile_one("sparse union bwd (G=4, H=16)", _union_attn_bwd, union_ptrs, union, num_warps=8,
+                    ints={"U_pad": 2051}),
     ]
     # the fused RMSNorm at h200-ref's width (rows of 1536 in blocks of 2048, 8 warps: ops/rms_norm/triton.py _warps)
     norm_ptrs = {"X": "*bf16", "W": "*fp32", "Y": "*bf16", "DY": "*bf16", "DX": "*bf16", "RSTD": "*fp32",
