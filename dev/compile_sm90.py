@@ -29,6 +29,7 @@ from triton.compiler import ASTSource
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from longctx.ops.indexer import triton as indexer_triton  # noqa: E402
 from longctx.ops.mhc import triton as mhc_project  # noqa: E402
 from longctx.ops.indexer.triton import (  # noqa: E402
     _compact_kernel, _emit_from_scores_kernel, _kpool_score_kernel, _select_candidates_kernel, _select_rows_kernel,
@@ -64,10 +65,13 @@ def _specialize(kernel, pointers: dict, consts: dict, ints: dict) -> tuple[dict,
     return sig, constexprs, attrs
 
 
-def compile_one(name, kernel, pointers, consts, num_warps, num_stages=2, ints=None) -> dict:
+def compile_one(name, kernel, pointers, consts, num_warps, num_stages=2, ints=None, maxnreg=None) -> dict:
     sig, constexprs, attrs = _specialize(kernel, pointers, consts, ints or {})
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:  # the PTX then carries .maxnreg, which the ptxas below obeys
+        options["maxnreg"] = maxnreg
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as d:
         ptx = Path(d) / "k.ptx"
@@ -89,11 +93,15 @@ def compile_one(name, kernel, pointers, consts, num_warps, num_stages=2, ints=No
 
 
 def main() -> int:
-    common = dict(D=64, BLOCK_D=64, BLOCK_H=16, BLOCK_M=16, BLOCK_N=64, PREC="tf32", DOT_F32=False)
+    # the score kernel at its launch config for h200-ref's indexer (16 heads x 64)
+    sc = indexer_triton._cfg(16, 64)
+    common = dict(D=64, BLOCK_D=sc["BLOCK_D"], BLOCK_H=sc["BLOCK_H"], BLOCK_M=sc["BLOCK_M"], BLOCK_N=sc["BLOCK_N"],
+                  PREC="tf32", DOT_F32=False)
     rows = [
         compile_one("indexer score (_kpool_score_kernel)", _kpool_score_kernel,
                     {"Q": "*bf16", "W": "*fp32", "PK": "*bf16", "OUT": "*fp32", "GM": "*fp32"},
-                    dict(common, TILES=8, GROUP=16), num_warps=8, ints={"stride_wh": 1, "P": 4}),
+                    dict(common, TILES=sc["TILES"], GROUP=16), num_warps=sc["num_warps"], num_stages=sc["num_stages"],
+                    ints={"stride_wh": 1, "P": 4}, maxnreg=sc.get("maxnreg")),
         # the selections at k = 512: the row kernel on 8,192 pools, "compact" and its candidates' selection
         # on rows of up to 32,768 pools (128k tokens)
         compile_one("indexer rows (_select_rows_kernel)", _select_rows_kernel, {"SC": "*fp32", "OUT": "*i32"},
