@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from longctx.config.loading import load_train_config  # noqa: E402
 from longctx.data.tokenizers import load_tokenizer  # noqa: E402
+from longctx.errors import run_script  # noqa: E402
 from longctx.generate import sample  # noqa: E402
 from longctx.hf_interop import load_pretrained  # noqa: E402
 from longctx.train.rl import rollout_seed  # noqa: E402
@@ -136,4 +137,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

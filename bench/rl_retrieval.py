@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from longctx.config.loading import load_train_config  # noqa: E402
 from longctx.data.retrieval_task import exact_match  # noqa: E402
 from longctx.distributed.checkpoint import load_checkpoint  # noqa: E402
+from longctx.errors import run_script  # noqa: E402
 from longctx.generate import sample  # noqa: E402
 from longctx.train.rollouts import completion_text  # noqa: E402
 from longctx.train.trainer import Trainer  # noqa: E402
@@ -155,4 +156,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

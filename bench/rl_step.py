@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from timing import env_record, write_results  # noqa: E402
 
 from longctx.config.loading import load_train_config  # noqa: E402
+from longctx.errors import run_script  # noqa: E402
 from longctx.generate import sample  # noqa: E402
 from longctx.layers.moe import routing_tape  # noqa: E402
 from longctx.train.rl import completion_logprobs, replay_tape  # noqa: E402
@@ -176,4 +177,4 @@ def steps_and_bf16(a, trainer, res: dict, cfg, t0: float) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

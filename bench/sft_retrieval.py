@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from longctx.config.loading import load_train_config  # noqa: E402
 from longctx.data.retrieval_task import eval_examples, exact_match  # noqa: E402
+from longctx.errors import run_script  # noqa: E402
 from longctx.generate import generate  # noqa: E402
 from longctx.train.trainer import Trainer  # noqa: E402
 
@@ -168,4 +169,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -8,6 +8,7 @@ code 2, never a traceback. Anything else escaping is a bug in longctx.
 from __future__ import annotations
 
 import difflib
+import sys
 
 
 class UserError(Exception):
@@ -26,6 +27,17 @@ class CheckpointError(UserError):
 
 class DataError(UserError):
     """A data path that is missing, empty, or not text."""
+
+
+def run_script(main) -> None:
+    """Run a script's `main()` (bench/*.py that take `--set`) as the CLI runs a command: a UserError
+    prints `error: <sentence>` on stderr and exits 2, no traceback; otherwise exit with main's code."""
+    try:
+        code = main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = e.exit_code
+    sys.exit(code)
 
 
 def did_you_mean(name: str, choices) -> str:
