@@ -29,12 +29,13 @@ from triton.compiler import ASTSource
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from longctx.ops.indexer import triton as indexer_triton  # noqa: E402
 from longctx.ops.mhc import triton as mhc_project  # noqa: E402
 from longctx.ops.indexer.triton import (  # noqa: E402
     _compact_kernel, _emit_from_scores_kernel, _kpool_score_kernel, _select_candidates_kernel, _select_rows_kernel,
 )
+from longctx.ops.indexer.triton import _cfg as score_cfg  # noqa: E402
 from longctx.ops.rms_norm.triton import _rms_norm_bwd, _rms_norm_fwd  # noqa: E402
+from longctx.ops.sparse_attention.triton import _cfg as sparse_cfg  # noqa: E402
 from longctx.ops.sparse_attention.triton import _sparse_attn_bwd, _union_attn_bwd, _union_attn_fwd  # noqa: E402
 from longctx.ops.swiglu.triton import BLOCK as SWIGLU_BLOCK  # noqa: E402
 from longctx.ops.swiglu.triton import _swiglu_bwd, _swiglu_fwd  # noqa: E402
@@ -94,7 +95,7 @@ def compile_one(name, kernel, pointers, consts, num_warps, num_stages=2, ints=No
 
 def main() -> int:
     # the score kernel at its launch config for h200-ref's indexer (16 heads x 64)
-    sc = indexer_triton._cfg(16, 64)
+    sc = score_cfg(16, 64)
     common = dict(D=64, BLOCK_D=sc["BLOCK_D"], BLOCK_H=sc["BLOCK_H"], BLOCK_M=sc["BLOCK_M"], BLOCK_N=sc["BLOCK_N"],
                   PREC="tf32", DOT_F32=False)
     rows = [
@@ -118,18 +119,21 @@ def main() -> int:
     sparse_ptrs = {n: "*bf16" for n in ("Q", "KV", "O", "DO", "DQ")}
     sparse_ptrs.update(IDX="*i32", LSE="*fp32", DKV="*fp32", scale="fp32", qk_scale="fp32")
     sparse = dict(K=2051, D=512, BLOCK_D=512, BLOCK_H=16, PREC="tf32")
+    sb = sparse_cfg(16, 512, True)
     rows += [
         compile_one("sparse bwd, heads-major (default, H=16)", _sparse_attn_bwd, sparse_ptrs,
-                    dict(sparse, BLOCK_N=16), num_warps=4, ints={"stride_is": 2051}),
+                    dict(sparse, BLOCK_N=sb["BLOCK_N"]), sb["num_warps"], sb["num_stages"], ints={"stride_is": 2051}),
     ]
-    # union mode, G = 4 queries x 16 heads = 64 rows a program, at its launch configs (`_cfg(64, 512, ...)`)
+    # union mode, G = 4 queries x 16 heads = 64 rows a program, at its launch configs
+    uf, ub = sparse_cfg(64, 512, False), sparse_cfg(64, 512, True)
     union_ptrs = dict(sparse_ptrs, UN="*i32", ULEN="*i32")
-    union = dict(G=4, U_LOOP=-1, D=512, BLOCK_D=512, BLOCK_M=64, BLOCK_N=32, PREC="tf32")
+    union = dict(G=4, U_LOOP=-1, D=512, BLOCK_D=512, BLOCK_M=64, PREC="tf32")
     rows += [
-        compile_one("sparse union fwd (G=4, H=16)", _union_attn_fwd, union_ptrs, dict(union, LOOKAHEAD=True),
-                    num_warps=8, ints={"U_pad": 2051}),
-        compile_one("sparse union bwd (G=4, H=16)", _union_attn_bwd, union_ptrs, union, num_warps=8,
+        compile_one("sparse union fwd (G=4, H=16)", _union_attn_fwd, union_ptrs,
+                    dict(union, BLOCK_N=uf["BLOCK_N"], LOOKAHEAD=uf["LOOKAHEAD"]), uf["num_warps"], uf["num_stages"],
                     ints={"U_pad": 2051}),
+        compile_one("sparse union bwd (G=4, H=16)", _union_attn_bwd, union_ptrs, dict(union, BLOCK_N=ub["BLOCK_N"]),
+                    ub["num_warps"], ub["num_stages"], ints={"U_pad": 2051}),
     ]
     # the fused RMSNorm at h200-ref's width (rows of 1536 in blocks of 2048, 8 warps: ops/rms_norm/triton.py _warps)
     norm_ptrs = {"X": "*bf16", "W": "*fp32", "Y": "*bf16", "DY": "*bf16", "DX": "*bf16", "RSTD": "*fp32",
