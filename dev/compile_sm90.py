@@ -33,7 +33,7 @@ from longctx.ops.mhc import triton as mhc_project  # noqa: E402
 from longctx.ops.indexer.triton import (  # noqa: E402
     _compact_kernel, _emit_from_scores_kernel, _kpool_score_kernel, _select_candidates_kernel, _select_rows_kernel,
 )
-from longctx.ops.indexer.triton import _cfg as score_cfg  # noqa: E402
+from longctx.ops.indexer.triton import _cfg as score_cfg, _select_warps  # noqa: E402
 from longctx.ops.rms_norm.triton import _rms_norm_bwd, _rms_norm_fwd  # noqa: E402
 from longctx.ops.sparse_attention.triton import _cfg as sparse_cfg  # noqa: E402
 from longctx.ops.sparse_attention.triton import _sparse_attn_bwd, _union_attn_bwd, _union_attn_fwd  # noqa: E402
@@ -106,13 +106,13 @@ def main() -> int:
         # the selections at k = 512: the row kernel on 8,192 pools, "compact" and its candidates' selection
         # on rows of up to 32,768 pools (128k tokens)
         compile_one("indexer rows (_select_rows_kernel)", _select_rows_kernel, {"SC": "*fp32", "OUT": "*i32"},
-                    dict(BLOCK_N=8192, BLOCK_K=512), num_warps=4),
+                    dict(BLOCK_N=8192, BLOCK_K=512), num_warps=_select_warps(8192)),
         compile_one("indexer compact (_compact_kernel)", _compact_kernel,
                     {"SC": "*fp32", "GM": "*fp32", "GS": "*i32", "CS": "*fp32", "CI": "*i32", "CNT": "*i32"},
                     dict(BLOCK_G=2048, BLOCK_S=8192, GP=16), num_warps=8),
         compile_one("indexer candidates (_select_candidates_kernel)", _select_candidates_kernel,
                     {"CS": "*fp32", "CI": "*i32", "CNT": "*i32", "OUT": "*i32"},
-                    dict(SMALL=1024, MID=4096, BIG=8192, BLOCK_K=512), num_warps=4),
+                    dict(SMALL=1024, MID=4096, BIG=8192, BLOCK_K=512), num_warps=_select_warps(8192)),
         compile_one("indexer emit (_emit_from_scores_kernel)", _emit_from_scores_kernel,
                     {"SC": "*fp32", "KTH": "*fp32", "OUT": "*i32"}, dict(BLOCK_M=4, BLOCK_N=256, BLOCK_K=128), num_warps=4),
     ]

@@ -16,7 +16,7 @@ from .. import fast_path_problem, lazy_attr, module_import_error
 
 IMPLS = ("auto", "torch", "triton")
 
-ROW_CAP = 32768  # the longest row the Triton path's row kernel holds in registers (16 warps x 64 keys a thread)
+ROW_CAP = 32768  # the longest row the Triton path's row kernel holds in registers (32 warps x 32 keys a thread)
 ROW_AUTO = 8192  # its "auto" takes the row kernel up to rows this long: past it "compact" is faster (H200)
 GROUP = 16  # pools per group maximum that the score kernel writes for the "compact" selection
 GROUP_ROW_CAP = 16384  # group maxima a row the compact kernel holds in registers; wider rows take coarser groups

@@ -73,20 +73,25 @@ def _load_query_block(Q, W, b, t0, stride_qb, stride_qs, stride_qh, stride_wb, s
 @triton.jit
 def _tile_scores(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
                  BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """fp32 scores of BLOCK_M queries x BLOCK_N pools (-0.0 folded into +0.0), selectability, pool ids."""
+                 DOT_F32: tl.constexpr, INTERIOR: tl.constexpr):
+    """fp32 scores of BLOCK_M queries x BLOCK_N pools, selectability, pool ids. -0.0 (every head's ReLU
+    zero under negative weights) is left as it is: the selections fold it into +0.0 where they make keys.
+    INTERIOR: every pool of the tile exists and every query sees it, so nothing is masked."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < NP
-    kt = tl.load(pk_base + offs_n[None, :] * stride_pn + offs_d[:, None],
-                 mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+    if INTERIOR:
+        kt = tl.load(pk_base + offs_n[None, :] * stride_pn + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+    else:
+        kt = tl.load(pk_base + offs_n[None, :] * stride_pn + offs_d[:, None],
+                     mask=d_ok[:, None] & (offs_n < NP)[None, :], other=0.0)
     if DOT_F32:  # interpreter only: its dot multiplies bf16 storage bits as integers
         kt = kt.to(tl.float32)
     s = tl.dot(q, kt, input_precision=PREC)  # [BLOCK_M * BLOCK_H, BLOCK_N], fp32
     s = tl.reshape(tl.maximum(s, 0.0), [BLOCK_M, BLOCK_H, BLOCK_N])
     sc = tl.sum(s * w3, axis=1)
-    sc = tl.where(sc == 0.0, 0.0, sc)  # -0.0 -> +0.0: equal floats must get equal keys
-    valid = n_ok[None, :] & (offs_n[None, :] * P + (P - 1) <= pos[:, None])
-    return sc, valid, offs_n
+    if not INTERIOR:
+        valid = (offs_n < NP)[None, :] & (offs_n[None, :] * P + (P - 1) <= pos[:, None])
+        sc = tl.where(valid, sc, float("-inf"))
+    return sc, offs_n
 
 
 @triton.jit
@@ -119,14 +124,24 @@ def _kpool_score_kernel(
     n_hi = tl.minimum((q_offset + tl.minimum(t0 + BLOCK_M, S)) // P, NP)  # pools any row of the block sees
     out_rows = OUT + b * stride_ob + t.to(tl.int64) * stride_os
     gm_rows = GM + b * stride_gb + t.to(tl.int64) * stride_gs
+    rows_full = t0 + BLOCK_M <= S
     for i in tl.static_range(TILES):
         n0 = (strip * TILES + i) * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         ok = m_ok[:, None] & (offs_n[None, :] < NC)
-        if n0 < n_hi:
-            sc, valid, offs_n = _tile_scores(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
-                                             BLOCK_M, BLOCK_H, BLOCK_N, PREC, DOT_F32)
-            sc = tl.where(valid & ok, sc, float("-inf"))
+        # most tiles lie below the causal diagonal: their loads, scores and stores need no masks
+        if rows_full & (n0 + BLOCK_N <= NC) & ((n0 + BLOCK_N) * P <= q_offset + t0 + 1):
+            sc, offs_n = _tile_scores(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
+                                      BLOCK_M, BLOCK_H, BLOCK_N, PREC, DOT_F32, True)
+            tl.store(out_rows[:, None] + offs_n[None, :], sc)
+            if GROUP > 0:
+                gm = tl.max(tl.reshape(sc, [BLOCK_M, BLOCK_N // GROUP, GROUP]), axis=2)
+                offs_g = n0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
+                tl.store(gm_rows[:, None] + offs_g[None, :], gm)
+        elif n0 < n_hi:
+            sc, offs_n = _tile_scores(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
+                                      BLOCK_M, BLOCK_H, BLOCK_N, PREC, DOT_F32, False)
+            sc = tl.where(ok, sc, float("-inf"))
             tl.store(out_rows[:, None] + offs_n[None, :], sc, mask=ok)
             if GROUP > 0:
                 gm = tl.max(tl.reshape(sc, [BLOCK_M, BLOCK_N // GROUP, GROUP]), axis=2)
@@ -423,11 +438,14 @@ def _check(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, k_pool
 
 
 def _cfg(H: int, D: int) -> dict:
-    """Tile sizes: 256 (query, head) MMA rows per program, 64 pools per tile, a strip of 8 tiles per program."""
+    """Tile sizes: 256 (query, head) MMA rows per program, 64 pools per tile, a strip of 8 tiles per program.
+    maxnreg 128: the interior and edge tiles' two paths build to 173 registers a thread on sm_90, which
+    leaves room for one 8-warp program an SM; capped at 128 they build without spills
+    (`python dev/compile_sm90.py`) and two programs share an SM."""
     block_h = triton.next_power_of_2(H)
     block_m = max(1, min(64, 256 // block_h))
     return {"BLOCK_M": block_m, "BLOCK_N": 64, "TILES": 8, "BLOCK_H": block_h,
-            "BLOCK_D": max(16, triton.next_power_of_2(D)), "num_warps": 8, "num_stages": 2}
+            "BLOCK_D": max(16, triton.next_power_of_2(D)), "num_warps": 8, "num_stages": 2, "maxnreg": 128}
 
 
 def _last_contig(x: torch.Tensor) -> torch.Tensor:
@@ -436,8 +454,15 @@ def _last_contig(x: torch.Tensor) -> torch.Tensor:
 
 COMPACT_BLOCK_S = 8192  # scores a step of `_compact_kernel`'s pass over a row
 COMPACT_WARPS = 8  # `_compact_kernel`'s warps (more where its group maxima need them)
+# scores a warp holds in the row and candidate kernels (up to 32 warps): at 2,048 their sm_90 builds for
+# rows of 8,192 spill (candidates 524 bytes, rows 48); at 1,024 they build without spills (224, 222 registers)
+SELECT_PER_WARP = 1024
 SELECTS = ("auto", "rows", "compact", "topk")
 SELECT_ENV = "LONGCTX_INDEXER_SELECT"  # kpool_topk_triton's selection for a whole run (benchmark comparisons)
+
+
+def _select_warps(block: int) -> int:
+    return min(32, max(4, block // SELECT_PER_WARP))
 
 
 def group_maxima(score: torch.Tensor, group: int) -> torch.Tensor:
@@ -493,7 +518,7 @@ def _select_compact(score: torch.Tensor, k: int, out: torch.Tensor, gmax: torch.
         cs, ci, cnt, out, cs.stride(0), cs.stride(1), cnt.stride(0), out.stride(0), out.stride(1), k,
         SMALL=min(big, max(16, triton.next_power_of_2(2 * k))), MID=min(big, max(16, triton.next_power_of_2(8 * k))),
         BIG=big, BLOCK_K=min(1024, max(16, triton.next_power_of_2(k))),
-        num_warps=min(32, max(4, big // 2048)),
+        num_warps=_select_warps(big),
     )
 
 
@@ -538,7 +563,7 @@ def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, blo
         _select_rows_kernel[(c, B)](
             score, out, score.stride(0), score.stride(1), out.stride(0), out.stride(1), n, k,
             BLOCK_N=block, BLOCK_K=min(1024, max(16, triton.next_power_of_2(k))),
-            num_warps=min(32, max(4, block // 2048)),
+            num_warps=_select_warps(block),
         )
         return out
     if method == "compact":
@@ -582,7 +607,7 @@ def kpool_scores_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool
         D=D, BLOCK_D=c["BLOCK_D"], BLOCK_H=c["BLOCK_H"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], TILES=c["TILES"],
         PREC="ieee" if q.dtype == torch.float32 or _interpreting() else "tf32",
         DOT_F32=_interpreting() and q.dtype != torch.float32, GROUP=group,
-        num_warps=c["num_warps"], num_stages=c["num_stages"],
+        num_warps=c["num_warps"], num_stages=c["num_stages"], **({"maxnreg": c["maxnreg"]} if c.get("maxnreg") else {}),
     )
     return (out, gm) if group else out
 
