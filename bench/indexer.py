@@ -270,11 +270,11 @@ SWEEP = [  # overrides of the score kernel's tile config (ops/indexer/triton.py 
     {},
     {"TILES": 4},
     {"TILES": 16},
-    {"BLOCK_N": 32},
-    {"BLOCK_N": 128},
-    {"num_warps": 4},
+    {"BLOCK_N": 128, "num_warps": 8},
+    {"BLOCK_N": 128, "num_warps": 8, "maxnreg": 128},
+    {"BLOCK_M": 16},
     {"num_stages": 3},
-    {"BLOCK_M": 8},
+    {"num_warps": 8},
 ]
 
 
@@ -289,7 +289,8 @@ def main():
     ap.add_argument("--torch-max", type=int, default=131072, help="largest S for the chunked torch twin")
     ap.add_argument("--unchunked-max", type=int, default=131072, help="largest S to try the unchunked twin at")
     ap.add_argument("--budget-s", type=float, default=120.0, help="skip cases projected to end after this")
-    ap.add_argument("--sweep", action="store_true", help="the score kernel's tile configs at S=32k and 128k (16x64)")
+    ap.add_argument("--sweep", action="store_true", help="the score kernel's tile configs (16x64) at --sweep-seqlens")
+    ap.add_argument("--sweep-seqlens", default="32768,131072", type=lambda v: [int(x) for x in v.split(",")])
     ap.add_argument("--probe", action="store_true",
                     help="time the Triton path's parts (scoring matmul, torch.topk) at each S, 16x64")
     ap.add_argument("--select-widths", default="",
@@ -388,7 +389,7 @@ def main():
             results["cases"].append(case)
     if args.sweep and not dev.cpu:
         results["sweep"] = []
-        for S in (32768, 131072):
+        for S in args.sweep_seqlens:
             for cfg in SWEEP:
                 try:
                     r, _, _ = two_phase_case(S, 16, 64, K, dev, warmup, reps, chunk=chunk, cfg=cfg)

@@ -49,45 +49,49 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _load_query_block(Q, W, b, t0, stride_qb, stride_qs, stride_qh, stride_wb, stride_ws, stride_wh, S, H,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
                       DOT_F32: tl.constexpr):
-    """The MMA operand of queries t0 .. t0+BLOCK_M-1: q rows are (query m, head h) pairs, row = m * BLOCK_H
-    + h, [BLOCK_M * BLOCK_H, BLOCK_D]; their head weights as [BLOCK_M, BLOCK_H, 1] fp32; and the masks."""
-    rows = tl.arange(0, BLOCK_M * BLOCK_H)
-    rm = rows // BLOCK_H
-    rh = rows % BLOCK_H
+    """The MMA operand of queries t0 .. t0+BLOCK_M-1, transposed: its columns are (head h, query m) pairs,
+    column = h * BLOCK_M + m, [BLOCK_D, BLOCK_H * BLOCK_M]; their head weights as [1, BLOCK_H, BLOCK_M] fp32;
+    and the masks. With the heads in the column's high bits, the MMA's accumulator holds every head of a
+    (pool, query) pair in one thread's registers, so the head sum needs no shuffles."""
+    cols = tl.arange(0, BLOCK_H * BLOCK_M)
+    ch = cols // BLOCK_M
+    cm = cols % BLOCK_M
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    q_ok = ((t0 + rm) < S) & (rh < H)
-    q = tl.load(Q + b * stride_qb + (t0 + rm)[:, None].to(tl.int64) * stride_qs + rh[:, None].to(tl.int64) * stride_qh
-                + offs_d[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+    q_ok = ((t0 + cm) < S) & (ch < H)
+    qt = tl.load(Q + b * stride_qb + (t0 + cm)[None, :].to(tl.int64) * stride_qs
+                 + ch[None, :].to(tl.int64) * stride_qh + offs_d[:, None],
+                 mask=q_ok[None, :] & d_ok[:, None], other=0.0)
     if DOT_F32:
-        q = q.to(tl.float32)
+        qt = qt.to(tl.float32)
     offs_m = tl.arange(0, BLOCK_M)
     offs_h = tl.arange(0, BLOCK_H)
     t = t0 + offs_m
     m_ok = t < S
-    w = tl.load(W + b * stride_wb + t[:, None].to(tl.int64) * stride_ws + offs_h[None, :].to(tl.int64) * stride_wh,
-                mask=m_ok[:, None] & (offs_h[None, :] < H), other=0.0).to(tl.float32)
-    return q, tl.reshape(w, [BLOCK_M, BLOCK_H, 1]), offs_d, d_ok, offs_m, t, m_ok
+    w = tl.load(W + b * stride_wb + t[None, :].to(tl.int64) * stride_ws + offs_h[:, None].to(tl.int64) * stride_wh,
+                mask=m_ok[None, :] & (offs_h[:, None] < H), other=0.0).to(tl.float32)
+    return qt, tl.reshape(w, [1, BLOCK_H, BLOCK_M]), offs_d, d_ok, offs_m, t, m_ok
 
 
 @triton.jit
-def _tile_scores(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
+def _tile_scores(qt, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
                  BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
                  DOT_F32: tl.constexpr, INTERIOR: tl.constexpr):
-    """fp32 scores of BLOCK_M queries x BLOCK_N pools, selectability, pool ids. -0.0 (every head's ReLU
-    zero under negative weights) is left as it is: the selections fold it into +0.0 where they make keys.
-    INTERIOR: every pool of the tile exists and every query sees it, so nothing is masked."""
+    """fp32 scores of BLOCK_M queries x BLOCK_N pools, [BLOCK_M, BLOCK_N], and the pool ids. The MMA runs
+    pools x (head, query) pairs, the pools as its M dimension. -0.0 (every head's ReLU zero under negative
+    weights) is left as it is: the selections fold it into +0.0 where they make keys. INTERIOR: every pool
+    of the tile exists and every query sees it, so nothing is masked."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if INTERIOR:
-        kt = tl.load(pk_base + offs_n[None, :] * stride_pn + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+        k = tl.load(pk_base + offs_n[:, None] * stride_pn + offs_d[None, :], mask=d_ok[None, :], other=0.0)
     else:
-        kt = tl.load(pk_base + offs_n[None, :] * stride_pn + offs_d[:, None],
-                     mask=d_ok[:, None] & (offs_n < NP)[None, :], other=0.0)
+        k = tl.load(pk_base + offs_n[:, None] * stride_pn + offs_d[None, :],
+                    mask=d_ok[None, :] & (offs_n < NP)[:, None], other=0.0)
     if DOT_F32:  # interpreter only: its dot multiplies bf16 storage bits as integers
-        kt = kt.to(tl.float32)
-    s = tl.dot(q, kt, input_precision=PREC)  # [BLOCK_M * BLOCK_H, BLOCK_N], fp32
-    s = tl.reshape(tl.maximum(s, 0.0), [BLOCK_M, BLOCK_H, BLOCK_N])
-    sc = tl.sum(s * w3, axis=1)
+        k = k.to(tl.float32)
+    s = tl.dot(k, qt, input_precision=PREC)  # [BLOCK_N, BLOCK_H * BLOCK_M], fp32
+    s = tl.reshape(tl.maximum(s, 0.0), [BLOCK_N, BLOCK_H, BLOCK_M])
+    sc = tl.trans(tl.sum(s * w3, axis=1))  # [BLOCK_M, BLOCK_N]
     if not INTERIOR:
         valid = (offs_n < NP)[None, :] & (offs_n[None, :] * P + (P - 1) <= pos[:, None])
         sc = tl.where(valid, sc, float("-inf"))
@@ -110,13 +114,13 @@ def _kpool_score_kernel(
     """OUT[b, t, n] = score of query t and pool n for n < NC (-inf where pool n is not selectable); with
     GROUP > 0 also GM[b, t, j] = the largest of OUT[b, t, j GROUP : (j + 1) GROUP] (`_compact_kernel`'s
     group maxima, from the tile in registers). One program: BLOCK_M queries x a strip of TILES pool tiles
-    (q stays in registers across the strip)."""
+    (q stays on chip across the strip)."""
     blk = tl.program_id(0)
     strip = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     t0 = blk * BLOCK_M
 
-    q, w3, offs_d, d_ok, _, t, m_ok = _load_query_block(
+    qt, w3, offs_d, d_ok, _, t, m_ok = _load_query_block(
         Q, W, b, t0, stride_qb, stride_qs, stride_qh, stride_wb, stride_ws, stride_wh, S, H,
         D, BLOCK_D, BLOCK_H, BLOCK_M, DOT_F32)
     pk_base = PK + b * stride_pb
@@ -131,7 +135,7 @@ def _kpool_score_kernel(
         ok = m_ok[:, None] & (offs_n[None, :] < NC)
         # most tiles lie below the causal diagonal: their loads, scores and stores need no masks
         if rows_full & (n0 + BLOCK_N <= NC) & ((n0 + BLOCK_N) * P <= q_offset + t0 + 1):
-            sc, offs_n = _tile_scores(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
+            sc, offs_n = _tile_scores(qt, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
                                       BLOCK_M, BLOCK_H, BLOCK_N, PREC, DOT_F32, True)
             tl.store(out_rows[:, None] + offs_n[None, :], sc)
             if GROUP > 0:
@@ -139,7 +143,7 @@ def _kpool_score_kernel(
                 offs_g = n0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
                 tl.store(gm_rows[:, None] + offs_g[None, :], gm)
         elif n0 < n_hi:
-            sc, offs_n = _tile_scores(q, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
+            sc, offs_n = _tile_scores(qt, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
                                       BLOCK_M, BLOCK_H, BLOCK_N, PREC, DOT_F32, False)
             sc = tl.where(ok, sc, float("-inf"))
             tl.store(out_rows[:, None] + offs_n[None, :], sc, mask=ok)
@@ -438,14 +442,13 @@ def _check(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, k_pool
 
 
 def _cfg(H: int, D: int) -> dict:
-    """Tile sizes: 256 (query, head) MMA rows per program, 64 pools per tile, a strip of 8 tiles per program.
-    maxnreg 128: the interior and edge tiles' two paths build to 173 registers a thread on sm_90, which
-    leaves room for one 8-warp program an SM; capped at 128 they build without spills
-    (`python dev/compile_sm90.py`) and two programs share an SM."""
+    """Tile sizes: 64 pools (the MMA's M, one warpgroup) x 128 (head, query) columns per tile, a strip of 8
+    tiles per program. At h200-ref's 16 x 64 this builds to 127 registers (four programs an SM) and beat
+    128 pools on 8 warps (140 registers) by 17% at 128k (`bench/indexer.py --sweep`)."""
     block_h = triton.next_power_of_2(H)
-    block_m = max(1, min(64, 256 // block_h))
+    block_m = max(1, min(64, 128 // block_h))
     return {"BLOCK_M": block_m, "BLOCK_N": 64, "TILES": 8, "BLOCK_H": block_h,
-            "BLOCK_D": max(16, triton.next_power_of_2(D)), "num_warps": 8, "num_stages": 2, "maxnreg": 128}
+            "BLOCK_D": max(16, triton.next_power_of_2(D)), "num_warps": 4, "num_stages": 2}
 
 
 def _last_contig(x: torch.Tensor) -> torch.Tensor:
