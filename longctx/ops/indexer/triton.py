@@ -9,8 +9,9 @@ Why two phases. A single kernel that never stores a score (a radix select over t
 scores, recomputing every tile on each of its ~4 passes) keeps only its output, but its per-score
 epilogue (ReLU, weighting, head sum, histogram) runs on every pass and dominates it, about three times
 the two phases' time at 128k tokens on the H200 (docs/design/indexer.md). Here the tiles are scored
-once (MMA, ReLU, weighted head sum; a strip of pool tiles per program so q stays in registers) into
-O(chunk x pools) memory.
+once (MMA, ReLU, weighted head sum; a strip of pool tiles per program so q stays on chip) into
+O(chunk x pools) memory. The MMA runs pools x (head, query) pairs so that every head of a score lands in one
+thread's registers and the head sum needs no shuffles (docs/design/indexer.md, "The score kernel's MMA").
 
 The selection, by row width, the same result every way. Rows of up to ROW_AUTO scores go to one kernel
 a row that holds the row in registers, finds its k-th score by a four-way search over order-preserving
@@ -20,8 +21,8 @@ below, so one kernel keeps the scores at or above it (at most k x 16 by construc
 reading only the at most k groups that can hold one, and a second runs the row kernel's selection over
 them. On the H200 (bench/indexer.py --select-widths, 1,024
 rows, k = 512) "compact" takes 0.24 ms at 32,768 scores a row against 1.06 for the row kernel and 0.80 for
-torch.topk + emit, and 1.09 against 20.7 ms (topk + emit) at 1,048,576; the whole path at 128k tokens 52.1
-against 91.1 ms (topk + emit on every row). torch.topk + emit stays as the baseline and for rows whose
+torch.topk + emit, and 1.09 against 20.7 ms (topk + emit) at 1,048,576; the whole path at 128k tokens 39.8
+against 81.7 ms (topk + emit on every row). torch.topk + emit stays as the baseline and for rows whose
 buffer would not fit (past 4M tokens). docs/design/indexer.md has the floor and what would approach it.
 
 Runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (the CPU tests do that).
