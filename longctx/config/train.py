@@ -80,8 +80,10 @@ class SFTConfig:
     data.path: conversations (.jsonl or .parquet, or a folder of them; the messages under
     `messages_field`), data.eval_docs of them held out; None = the embedded retrieval task.
     template: "auto" (the byte tokenizer's longctx template, or a HF tokenizer's own), "longctx", or a
-    .jinja file. The task's settings: `questions` per haystack, the question `kinds`, `min_len` (the
-    shortest training conversation; a stage shorter than it trains at its own length), and its held-out
+    .jinja file. The task's settings: `questions` per haystack, the question `kinds`, `ask_first` (the
+    first user turn states every question before the haystack too, as a user states the task before
+    the files are read), `min_len` (the shortest training conversation; a stage shorter than it trains
+    at its own length), and its held-out
     evaluation: `eval_examples` per length in `eval_lengths` ([] = 4096 and its doublings up to the
     longest stage, or the longest stage when that is shorter than 4096).
     """
@@ -90,6 +92,7 @@ class SFTConfig:
     messages_field: str = "messages"
     questions: int = 4
     kinds: list[str] = field(default_factory=lambda: ["signature", "returns", "file"])
+    ask_first: bool = False
     min_len: int = 4096
     eval_lengths: list[int] = field(default_factory=list)
     eval_examples: int = 16

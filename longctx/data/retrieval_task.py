@@ -194,7 +194,7 @@ class RetrievalTask:
 
     def __init__(self, files: Sequence[Path], root: Path, seed: int, count: Callable[[str], int],
                  overhead: Callable[[list[dict]], int], questions: int = 4, kinds: Sequence[str] = KINDS,
-                 split: str = "train"):
+                 split: str = "train", ask_first: bool = False):
         bad = [k for k in kinds if k not in KINDS]
         if bad or not kinds:
             raise DataError(f"sft.kinds has {bad[0] if bad else 'nothing'!r}; choose from {', '.join(KINDS)}.")
@@ -202,6 +202,7 @@ class RetrievalTask:
             raise DataError(f"sft.questions must be >= 1 (got {questions}); ask at least one question per haystack.")
         self.files = [sf for f in files if (sf := parse_file(root, f)) is not None and sf.lines]
         self.kinds, self.questions, self.seed, self.split = tuple(kinds), questions, int(seed), split
+        self.ask_first = bool(ask_first)
         self.count, self.overhead = count, overhead
         self._by_kind = {k: [(fi, j) for fi, sf in enumerate(self.files) for j, fa in enumerate(sf.facts) if fa.kind == k]
                          for k in self.kinds}
@@ -246,7 +247,7 @@ class RetrievalTask:
                 return None
         questions = [QUESTIONS[fa.kind].format(fa.name) for _, fa in facts]
         answers = [fa.answer for _, fa in facts]
-        budget = length - self.overhead(_messages("", questions, answers))
+        budget = length - self.overhead(_messages("", questions, answers, self.ask_first))
         names = re.compile(r"\b(?:def|class)\s+(?:" + "|".join(re.escape(f.name) for _, f in facts) + r")\b")
         pieces = [[fi, fa.start, fa.start + fa.need] for fi, fa in facts]  # [file, first line, end line)
         total = sum(self._size(fi, a, b) + self._header(fi) for fi, a, b in pieces)
@@ -289,7 +290,7 @@ class RetrievalTask:
         for _, fa in facts:  # the name is defined once in the whole haystack, in its own file's excerpt
             if len(re.findall(r"\b(?:def|class)\s+" + re.escape(fa.name) + r"\b", hay)) != 1:
                 return None
-        msgs = _messages(hay, questions, answers)
+        msgs = _messages(hay, questions, answers, self.ask_first)
         if self.overhead(msgs) > length:  # a BPE tokenizer merges across lines a little differently
             return None
         return Example(msgs, questions, answers, [fa.kind for _, fa in facts], length)
@@ -298,10 +299,14 @@ class RetrievalTask:
         return self.count(f"# file: {self.files[fi].path}\n") + 1  # and the newline between pieces
 
 
-def _messages(haystack: str, questions: list[str], answers: list[str]) -> list[dict]:
+def _messages(haystack: str, questions: list[str], answers: list[str], ask_first: bool = False) -> list[dict]:
+    """The conversation: the haystack and the first question in the first user turn, a turn per further
+    question. ask_first: that turn opens with every question, so a reader of the haystack knows what to
+    keep (a recurrent state can hold one definition where it cannot hold the whole haystack)."""
+    head = "Questions:\n" + "\n".join(questions) + "\n\n" if ask_first else ""
     msgs = []
     for i, (qu, an) in enumerate(zip(questions, answers)):
-        msgs.append({"role": "user", "content": f"{haystack}\n\n{qu}" if i == 0 else qu})
+        msgs.append({"role": "user", "content": f"{head}{haystack}\n\n{qu}" if i == 0 else qu})
         msgs.append({"role": "assistant", "content": an})
     return msgs
 
@@ -320,7 +325,7 @@ class TrainExamples:
         return self.encode(self.task.example(k, length).messages, f"task example {k}")
 
     def state_key(self) -> tuple:
-        return ("retrieval", self.task.seed, self.task.questions, self.task.kinds, self.min_len)
+        return ("retrieval", self.task.seed, self.task.questions, self.task.kinds, self.min_len, self.task.ask_first)
 
 
 def eval_examples(task: RetrievalTask, lengths: Sequence[int], n: int) -> dict[int, list[Example]]:

@@ -84,11 +84,13 @@ class SFTData:
         train_files, held_files, root = stdlib_files()
         if not quiet:
             log(f"sft task: reading {len(train_files) + len(held_files)} stdlib files for the retrieval task")
-        train = RetrievalTask(train_files, root, cfg.seed, count, overhead, s.questions, s.kinds, split="train")
+        train = RetrievalTask(train_files, root, cfg.seed, count, overhead, s.questions, s.kinds, split="train",
+                              ask_first=s.ask_first)
         self.source = TrainExamples(train, self._encode, s.min_len)
         for st in cfg.stages:  # the shortest example of each stage can be built (else one sentence now, not mid-run)
             train.example(0, min(s.min_len, st.seq_len))
-        self.task = RetrievalTask(held_files, root, cfg.seed, count, overhead, s.questions, s.kinds, split="eval")
+        self.task = RetrievalTask(held_files, root, cfg.seed, count, overhead, s.questions, s.kinds, split="eval",
+                                  ask_first=s.ask_first)
         self.lengths = list(s.eval_lengths) or default_eval_lengths(longest)
         self.eval_convs, self.eval_length, self.eval_kinds = [], [], []
         if s.eval_examples > 0:

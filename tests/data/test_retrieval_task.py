@@ -139,3 +139,23 @@ def test_exact_match_is_the_reward():
     assert exact_match("urllib/parse.pyc", "urllib/parse.py") == 0.0
     assert exact_match("", "x") == 0.0
     assert KINDS == ("signature", "returns", "file")
+
+
+def test_ask_first_states_every_question_before_the_same_kind_of_haystack(tasks):
+    """sft.ask_first: the first user turn opens with every question, then the haystack and the first
+    question as before; the answers, the trained spans and the length budget are the task's own."""
+    _, held, root = tasks
+    first = RetrievalTask(stdlib_files(packages=PACKAGES)[1], root, 0, _count, _size, questions=3,
+                          split="eval", ask_first=True)
+    for i in range(3):
+        ex = first.example(i, 2048)
+        turn = ex.messages[0]["content"]
+        assert turn.startswith("Questions:\n" + "\n".join(ex.questions) + "\n\n")
+        assert turn.endswith("\n\n" + ex.questions[0]) and "# file: " in turn
+        assert turn.index(ex.questions[2]) < turn.index("# file: ")  # asked before the haystack is read
+        enc = TPL.encode(ex.messages)
+        assert 0.9 * 2048 <= len(enc) <= 2048
+        assert [bytes(enc.tokens[s:e - 1].tolist()).decode() for _, s, e in enc.spans] == ex.answers
+    plain = held.example(0, 2048)
+    assert not plain.messages[0]["content"].startswith("Questions:")
+    assert TrainExamples(first, TPL.encode, 512).state_key() != TrainExamples(held, TPL.encode, 512).state_key()
