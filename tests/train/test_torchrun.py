@@ -76,9 +76,14 @@ def _evals(out):
     return [r["eval_loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if "eval_loss" in r]
 
 
-@pytest.mark.parametrize("parallel,mesh", [((), "dp 2 x cp 1"), (("parallel.cp=2",), "dp 1 x cp 2"),
-                                           (("parallel.cp=2", "parallel.kda_cp=chunk_state"), "dp 1 x cp 2")])
-def test_two_processes_under_torchrun_equal_one(tmp_path, one_process, parallel, mesh):
+# The relative bound on each step's loss and the evaluations. hidden_gather's KDA layers run their matmuls
+# on the gathered sequence, shapes the single process never uses: on CPUs whose fp32 GEMMs round by shape
+# (AVX512-FP16 / AMX machines) the first step's loss differs by 3.3e-6 and Adam, turning the sign of
+# near-zero gradients into whole learning-rate steps, carries that to 1.1e-4 by step 5; the other meshes
+# stay within 2e-7. A CP error (a wrong gather, a lost state) moves the first loss by far more.
+@pytest.mark.parametrize("parallel,mesh,tol", [((), "dp 2 x cp 1", 1e-5), (("parallel.cp=2",), "dp 1 x cp 2", 3e-4),
+                                               (("parallel.cp=2", "parallel.kda_cp=chunk_state"), "dp 1 x cp 2", 1e-5)])
+def test_two_processes_under_torchrun_equal_one(tmp_path, one_process, parallel, mesh, tol):
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
@@ -89,11 +94,12 @@ def test_two_processes_under_torchrun_equal_one(tmp_path, one_process, parallel,
 
     a, b = _steps(one_process), _steps(tmp_path / "dp2")
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    assert abs(a[0]["loss"] - b[0]["loss"]) <= 1e-5 * abs(a[0]["loss"]), (a[0]["loss"], b[0]["loss"])  # no update yet
     for x, y in zip(a, b):
-        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
+        assert abs(x["loss"] - y["loss"]) <= tol * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
         assert len(y["peak_gib_ranks"]) == 2 and "peak_gib_ranks" not in x
     ea, eb = _evals(one_process), _evals(tmp_path / "dp2")  # the evaluation runs whole sequences on every rank
-    assert len(ea) == len(eb) == 2 and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(ea, eb)), (ea, eb)
+    assert len(ea) == len(eb) == 2 and all(abs(x - y) <= tol * abs(x) for x, y in zip(ea, eb)), (ea, eb)
     lines = two.stdout.splitlines()
     assert f"mesh {mesh} (2 processes)" in lines[0], lines[0]
     assert sum(line.startswith("step 1/5 ") for line in lines) == 1  # rank 0 alone prints
