@@ -12,9 +12,11 @@ from test_torchrun import (REPO, SETS, TORCHRUN, _evals, _steps, _train, assert_
                            one_process)  # the shared one-process run
 
 
-@pytest.mark.parametrize("parallel,mesh", [(("parallel.ep=2",), "dp 2 x cp 1"),
-                                           (("parallel.ep=2", "parallel.cp=2"), "dp 1 x cp 2")])
-def test_expert_parallel_under_torchrun_equals_one_process(tmp_path, one_process, parallel, mesh):  # noqa: F811
+# tol: as in test_torchrun.py, hidden_gather CP (the cp=2 case's KDA mode) after Adam updates on CPUs whose fp32
+# GEMMs round by shape; its first loss keeps 1e-5
+@pytest.mark.parametrize("parallel,mesh,tol", [(("parallel.ep=2",), "dp 2 x cp 1", 1e-5),
+                                               (("parallel.ep=2", "parallel.cp=2"), "dp 1 x cp 2", 3e-4)])
+def test_expert_parallel_under_torchrun_equals_one_process(tmp_path, one_process, parallel, mesh, tol):  # noqa: F811
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
@@ -24,10 +26,11 @@ def test_expert_parallel_under_torchrun_equals_one_process(tmp_path, one_process
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     a, b = _steps(one_process), _steps(tmp_path / "ep2")
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    assert abs(a[0]["loss"] - b[0]["loss"]) <= 1e-5 * abs(a[0]["loss"]), (a[0]["loss"], b[0]["loss"])  # no update yet
     for x, y in zip(a, b):
-        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
+        assert abs(x["loss"] - y["loss"]) <= tol * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
     ea, eb = _evals(one_process), _evals(tmp_path / "ep2")
-    assert len(ea) == len(eb) == 2 and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(ea, eb)), (ea, eb)
+    assert len(ea) == len(eb) == 2 and all(abs(x - y) <= tol * abs(x) for x, y in zip(ea, eb)), (ea, eb)
     assert f"mesh {mesh} (2 processes)" in two.stdout.splitlines()[0]
     ck = os.path.realpath(tmp_path / "ep2" / "checkpoint")
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ck))
