@@ -445,7 +445,7 @@ def _check(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, k_pool
 def _cfg(H: int, D: int) -> dict:
     """Tile sizes: 64 pools (the MMA's M, one warpgroup) x 128 (head, query) columns per tile, a strip of 8
     tiles per program. At h200-ref's 16 x 64 this builds to 127 registers (four programs an SM) and beats
-    128 pools on 8 warps (140 registers) by 8-17% at 128k in two sweeps (`bench/indexer.py --sweep`)."""
+    128 pools on 8 warps (140 registers) by 8-17% at 128k (`bench/indexer.py --sweep`)."""
     block_h = triton.next_power_of_2(H)
     block_m = max(1, min(64, 128 // block_h))
     return {"BLOCK_M": block_m, "BLOCK_N": 64, "TILES": 8, "BLOCK_H": block_h,
