@@ -13,7 +13,7 @@ Union mode (`--union` / `--union-only`, longctx/ops/sparse_attention/union.py): 
 indexer of a random-init h200-ref DSA layer on embedded stdlib text) and `trained_like`
 (persistent_pool_indices with the redraw rate fitted to a trained small model's selections,
 bench/results/union_size.json). Each row records U_G/k, the cost model's G and its prediction, and the
-measured build, fwd and bwd ms of every G timed, and the split backward's (`bwd_split_ms`: dKV, then dQ). Writes DIR/sparse_attention.json (or
+measured build, fwd and bwd ms of every G timed. Writes DIR/sparse_attention.json (or
 DIR/sparse_attention_union.json with --union-only).
 """
 
@@ -133,17 +133,9 @@ def union_case(S, H, idx, groups, warmup, reps):
         r["fwd_kernel"] = dict(tk.LAST_LAUNCH.get("fwd", {}))
         r["bwd_ms"] = timed(lambda: tk.union_attention_bwd(q, kv, u, o, lse, do, scale), warmup, reps, DEV)
         r["bwd_kernel"] = dict(tk.LAST_LAUNCH.get("bwd", {}))
-        # the split backward (dKV, then dQ: neither pass holds both accumulators)
-        split = {"SPLIT": True}
-        r["bwd_split_ms"] = timed(lambda: tk.union_attention_bwd(q, kv, u, o, lse, do, scale, cfg=split), warmup,
-                                  reps, DEV)
-        r["bwd_split_kernels"] = {w: dict(tk.LAST_LAUNCH.get(w, {})) for w in ("bwd", "bwd_dq")}
-        dq_s, dkv_s = tk.union_attention_bwd(q, kv, u, o, lse, do, scale, cfg=split)
         dq, dkv = tk.union_attention_bwd(q, kv, u, o, lse, do, scale)
         rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
-        r["rel_vs_G1"] = {"o": rel(o, o1), "dq": rel(dq, dq1), "dkv": rel(dkv, dkv1),
-                          "dq_split": rel(dq_s, dq1), "dkv_split": rel(dkv_s, dkv1)}
-        del dq_s, dkv_s
+        r["rel_vs_G1"] = {"o": rel(o, o1), "dq": rel(dq, dq1), "dkv": rel(dkv, dkv1)}
         r["total_ms"] = r["build_ms"] + r["fwd_ms"] + r["bwd_ms"]
         r["speedup"] = base["total_ms"] / r["total_ms"]
         r["predicted_ms"] = un.predicted_ns_per_query(G, H, ratio, k) * S / 1e6

@@ -132,13 +132,8 @@ def main() -> int:
         compile_one("sparse union fwd (G=4, H=16)", _union_attn_fwd, union_ptrs,
                     dict(union, BLOCK_N=uf["BLOCK_N"], LOOKAHEAD=uf["LOOKAHEAD"]), uf["num_warps"], uf["num_stages"],
                     ints={"U_pad": 2051}),
-        compile_one("sparse union bwd (G=4, H=16)", _union_attn_bwd, union_ptrs,
-                    dict(union, BLOCK_N=ub["BLOCK_N"], PART=0), ub["num_warps"], ub["num_stages"], ints={"U_pad": 2051}),
-        # the split backward (cfg SPLIT): dKV alone, then dQ alone
-        compile_one("sparse union bwd split, dKV pass", _union_attn_bwd, union_ptrs,
-                    dict(union, BLOCK_N=ub["BLOCK_N"], PART=1), ub["num_warps"], ub["num_stages"], ints={"U_pad": 2051}),
-        compile_one("sparse union bwd split, dQ pass", _union_attn_bwd, union_ptrs,
-                    dict(union, BLOCK_N=ub["BLOCK_N"], PART=2), ub["num_warps"], ub["num_stages"], ints={"U_pad": 2051}),
+        compile_one("sparse union bwd (G=4, H=16)", _union_attn_bwd, union_ptrs, dict(union, BLOCK_N=ub["BLOCK_N"]),
+                    ub["num_warps"], ub["num_stages"], ints={"U_pad": 2051}),
     ]
     # the fused RMSNorm at h200-ref's width (rows of 1536 in blocks of 2048, 8 warps: ops/rms_norm/triton.py _warps)
     norm_ptrs = {"X": "*bf16", "W": "*fp32", "Y": "*bf16", "DY": "*bf16", "DX": "*bf16", "RSTD": "*fp32",

@@ -159,8 +159,6 @@ def test_union_bf16_matches_twin_and_per_query_kernel(B, S, H, G, redraw):
                                                scale)
     assert _rel(o, o_t) <= 5e-3 and _rel(dq, dq_t) <= 2e-2 and _rel(dkv, dkv_t) <= 2e-2, (
         _rel(o, o_t), _rel(dq, dq_t), _rel(dkv, dkv_t))
-    dq_s, dkv_s = union_attention_bwd(q.detach(), kv.detach(), u, o, lse, do, scale, cfg={"SPLIT": True})
-    assert _rel(dq_s, dq_t) <= 2e-2 and _rel(dkv_s, dkv_t) <= 2e-2, (_rel(dq_s, dq_t), _rel(dkv_s, dkv_t))
     fin = torch.isfinite(lse_t)
     assert torch.equal(torch.isfinite(lse), fin) and float((lse[fin] - lse_t[fin]).abs().max()) < 1e-2
 

@@ -316,9 +316,8 @@ def _union_attn_fwd(
 @triton.jit
 def _union_bwd_loop(q, do, delta, lse2, r_ok, kv_base, dkv_base, stride_kvs, stride_dks, u_row, U_pad, g, n_end,
                     scale, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PREC: tl.constexpr, PART: tl.constexpr):
-    """dQ of the program's rows (unscaled) over the group's n_end union slots; dKV goes out by atomics.
-    PART 0 does both, 1 only dKV (the split backward's first pass; `_union_dq_loop` is its second)."""
+                    BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """dQ of the program's rows (unscaled) over the group's n_end union slots; dKV goes out by atomics."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < D
@@ -331,8 +330,7 @@ def _union_bwd_loop(q, do, delta, lse2, r_ok, kv_base, dkv_base, stride_kvs, str
         dp = tl.dot(do, tl.trans(k), input_precision=PREC)
         p = tl.where(member & r_ok[:, None], tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
         ds = p * (dp - delta[:, None])
-        if PART == 0:
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
         # one atomic per (group, row): the G x H rows' contributions are summed by the MMA's reduction
         dkv_t = tl.dot(tl.trans(do), p.to(k.dtype), input_precision=PREC)
         dkv_t = tl.dot(tl.trans(q), (ds * scale).to(k.dtype), dkv_t, input_precision=PREC)
@@ -340,35 +338,6 @@ def _union_bwd_loop(q, do, delta, lse2, r_ok, kv_base, dkv_base, stride_kvs, str
                       mask=ok[None, :] & d_ok[:, None], sem="relaxed")
 
     return dq
-
-
-@triton.jit
-def _union_dq_loop(q, do, delta, lse2, r_ok, kv_base, stride_kvs, u_row, U_pad, g, n_end, qk_scale,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PREC: tl.constexpr):
-    """dQ^T [BLOCK_D, BLOCK_M] of the program's rows (unscaled) over the group's n_end union slots, the
-    split backward's second pass. Scores are computed transposed (slots x rows), so q and dO enter the MMAs
-    only as their shared-memory operand: in the row orientation Triton keeps them in registers beside dQ's
-    fp32 accumulator and the build spills (`python dev/compile_sm90.py`)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    d_ok = offs_d < D
-    q_t = tl.trans(q)
-    do_t = tl.trans(do)
-    dq_t = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)
-    for n0 in range(0, n_end, BLOCK_N):
-        slot = n0 + offs_n
-        v = tl.load(u_row + slot, mask=slot < U_pad, other=-1)
-        ok = v >= 0
-        j = tl.where(ok, v >> 8, 0).to(tl.int64)
-        member_t = ((((v & 255)[:, None] >> g[None, :]) & 1) != 0) & ok[:, None] & r_ok[None, :]
-        k = tl.load(kv_base + j[:, None] * stride_kvs + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        s_t = tl.dot(k, q_t, input_precision=PREC)  # [BLOCK_N, BLOCK_M]
-        dp_t = tl.dot(k, do_t, input_precision=PREC)
-        p_t = tl.where(member_t, tl.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype), dq_t, input_precision=PREC)
-    return dq_t
 
 
 @triton.jit
@@ -387,7 +356,7 @@ def _union_attn_bwd(
     S, H, U_pad,
     G: tl.constexpr, U_LOOP: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, PART: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     r0 = tl.program_id(1) * BLOCK_M
@@ -417,32 +386,15 @@ def _union_attn_bwd(
     dkv_base = DKV + b * stride_dkb
     u_row = UN + b * stride_ub + n * stride_un
     if U_LOOP >= 0:  # the bound as an argument, as in the forward
-        _union_bwd_passes(q, do, delta, lse2, r_ok, d_ok, kv_base, dkv_base, stride_kvs, stride_dks, u_row, U_pad, g,
-                          U_LOOP, scale, qk_scale, DQ + b * stride_dqb, t, h, offs_d, stride_dqs, stride_dqh,
-                          D, BLOCK_D, BLOCK_M, BLOCK_N, PREC, PART)
-    else:
-        _union_bwd_passes(q, do, delta, lse2, r_ok, d_ok, kv_base, dkv_base, stride_kvs, stride_dks, u_row, U_pad, g,
-                          tl.load(ULEN + b * stride_lenb + n), scale, qk_scale, DQ + b * stride_dqb, t, h, offs_d,
-                          stride_dqs, stride_dqh, D, BLOCK_D, BLOCK_M, BLOCK_N, PREC, PART)
-
-
-@triton.jit
-def _union_bwd_passes(q, do, delta, lse2, r_ok, d_ok, kv_base, dkv_base, stride_kvs, stride_dks, u_row, U_pad, g,
-                      n_end, scale, qk_scale, dq_base, t, h, offs_d, stride_dqs, stride_dqh,
-                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      PREC: tl.constexpr, PART: tl.constexpr):
-    """PART 0: dQ and dKV in one pass; 1: dKV alone; 2: dQ alone (`_union_dq_loop`), stored as it comes."""
-    if PART == 2:
-        dq_t = _union_dq_loop(q, do, delta, lse2, r_ok, kv_base, stride_kvs, u_row, U_pad, g, n_end, qk_scale,
-                              D, BLOCK_D, BLOCK_M, BLOCK_N, PREC)
-        tl.store(dq_base + t[None, :] * stride_dqs + h[None, :] * stride_dqh + offs_d[:, None],
-                 (dq_t * scale).to(dq_base.dtype.element_ty), mask=d_ok[:, None] & r_ok[None, :])
+        dq = _union_bwd_loop(q, do, delta, lse2, r_ok, kv_base, dkv_base, stride_kvs, stride_dks, u_row, U_pad, g,
+                             U_LOOP, scale, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, PREC)
     else:
         dq = _union_bwd_loop(q, do, delta, lse2, r_ok, kv_base, dkv_base, stride_kvs, stride_dks, u_row, U_pad, g,
-                             n_end, scale, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, PREC, PART)
-        if PART == 0:
-            tl.store(dq_base + t[:, None] * stride_dqs + h[:, None] * stride_dqh + offs_d[None, :],
-                     (dq * scale).to(dq_base.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+                             tl.load(ULEN + b * stride_lenb + n), scale, qk_scale, D, BLOCK_D, BLOCK_M, BLOCK_N, PREC)
+
+    dq = dq * scale
+    tl.store(DQ + b * stride_dqb + t[:, None] * stride_dqs + h[:, None] * stride_dqh + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=rd_ok)
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> None:
@@ -659,27 +611,24 @@ def union_attention_bwd(q, kv, u: "_union.Union", o, lse, do, scale, cfg=None):
         return dq, dkv.to(kv.dtype)
     packed, length, u_loop = _union_launch_args(u)
     grid = (u.groups, triton.cdiv(M, c["BLOCK_H"]), B)
-    # SPLIT: dKV in one pass and dQ in a second (the score products twice), so that neither holds both
-    # accumulators: at G = 4 x 16 heads the fused pass spills 464 bytes a thread, the two passes 0 and 8
-    for part in ((1, 2) if c.get("SPLIT") else (0,)):
-        kern = _union_attn_bwd[grid](
-            q, kv, packed, length, o, do, lse, dq, dkv,
-            scale, scale * _LOG2E,
-            q.stride(0), q.stride(1), q.stride(2),
-            kv.stride(0), kv.stride(1),
-            packed.stride(0), packed.stride(1),
-            length.stride(0),
-            o.stride(0), o.stride(1), o.stride(2),
-            do.stride(0), do.stride(1), do.stride(2),
-            lse.stride(0), lse.stride(1),
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            dkv.stride(0), dkv.stride(1),
-            S, H, packed.shape[2], G=u.G, U_LOOP=u_loop,
-            D=D, BLOCK_D=c["BLOCK_D"], BLOCK_M=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
-            PREC="ieee" if q.dtype == torch.float32 else "tf32", PART=part,
-            num_warps=c["num_warps"], num_stages=c["num_stages"],
-        )
-        _note_launch("bwd" if part < 2 else "bwd_dq", kern, dict(c, G=u.G))
+    kern = _union_attn_bwd[grid](
+        q, kv, packed, length, o, do, lse, dq, dkv,
+        scale, scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        packed.stride(0), packed.stride(1),
+        length.stride(0),
+        o.stride(0), o.stride(1), o.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        lse.stride(0), lse.stride(1),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        dkv.stride(0), dkv.stride(1),
+        S, H, packed.shape[2], G=u.G, U_LOOP=u_loop,
+        D=D, BLOCK_D=c["BLOCK_D"], BLOCK_M=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    _note_launch("bwd", kern, dict(c, G=u.G))
     return dq, dkv.to(kv.dtype)
 
 
