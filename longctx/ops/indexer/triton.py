@@ -100,6 +100,23 @@ def _tile_scores(qt, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
 
 
 @triton.jit
+def _store_group_maxima(sc, gm_rows, n0, m_ok, NC, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GROUP: tl.constexpr, MASKED: tl.constexpr, EMPTY: tl.constexpr):
+    """GM[rows, n0 / GROUP + j] = the largest of a [BLOCK_M, BLOCK_N] score tile's j-th GROUP columns; MASKED
+    for the tiles at the causal diagonal or the row block's end (an interior tile has every row and group);
+    EMPTY for a tile past every row's causal limit (sc unused: -inf, without reducing a constant tile)."""
+    if EMPTY:
+        gm = tl.full([BLOCK_M, BLOCK_N // GROUP], float("-inf"), tl.float32)
+    else:
+        gm = tl.max(tl.reshape(sc, [BLOCK_M, BLOCK_N // GROUP, GROUP]), axis=2)
+    offs_g = n0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
+    if MASKED:
+        tl.store(gm_rows[:, None] + offs_g[None, :], gm, mask=m_ok[:, None] & (offs_g[None, :] * GROUP < NC))
+    else:
+        tl.store(gm_rows[:, None] + offs_g[None, :], gm)
+
+
+@triton.jit
 def _kpool_score_kernel(
     Q, W, PK, OUT, GM,
     stride_qb, stride_qs, stride_qh,
@@ -140,27 +157,19 @@ def _kpool_score_kernel(
                                       BLOCK_M, BLOCK_H, BLOCK_N, PREC, DOT_F32, True)
             tl.store(out_rows[:, None] + offs_n[None, :], sc)
             if GROUP > 0:
-                gm = tl.max(tl.reshape(sc, [BLOCK_M, BLOCK_N // GROUP, GROUP]), axis=2)
-                offs_g = n0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
-                tl.store(gm_rows[:, None] + offs_g[None, :], gm)
+                _store_group_maxima(sc, gm_rows, n0, m_ok, NC, BLOCK_M, BLOCK_N, GROUP, False, False)
         elif n0 < n_hi:
             sc, offs_n = _tile_scores(qt, w3, pk_base, stride_pn, n0, NP, offs_d, d_ok, pos, P,
                                       BLOCK_M, BLOCK_H, BLOCK_N, PREC, DOT_F32, False)
             sc = tl.where(ok, sc, float("-inf"))
             tl.store(out_rows[:, None] + offs_n[None, :], sc, mask=ok)
             if GROUP > 0:
-                gm = tl.max(tl.reshape(sc, [BLOCK_M, BLOCK_N // GROUP, GROUP]), axis=2)
-                offs_g = n0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
-                tl.store(gm_rows[:, None] + offs_g[None, :], gm,
-                         mask=m_ok[:, None] & (offs_g[None, :] * GROUP < NC))
+                _store_group_maxima(sc, gm_rows, n0, m_ok, NC, BLOCK_M, BLOCK_N, GROUP, True, False)
         elif n0 < NC:
             tl.store(out_rows[:, None] + offs_n[None, :], tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32),
                      mask=ok)
             if GROUP > 0:
-                offs_g = n0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
-                tl.store(gm_rows[:, None] + offs_g[None, :],
-                         tl.full([BLOCK_M, BLOCK_N // GROUP], float("-inf"), tl.float32),
-                         mask=m_ok[:, None] & (offs_g[None, :] * GROUP < NC))
+                _store_group_maxima(None, gm_rows, n0, m_ok, NC, BLOCK_M, BLOCK_N, GROUP, True, True)
 
 
 @triton.jit
@@ -209,8 +218,9 @@ def _emit_from_scores_kernel(
 
 @triton.jit
 def _ordered_key(sc):
-    """fp32 -> uint32 keys in the floats' order (-0.0 was folded into +0.0 by the score kernel)."""
-    bits = sc.to(tl.uint32, bitcast=True)
+    """fp32 -> uint32 keys in the floats' order; -0.0 (a score whose heads all fell to ReLU's zero under
+    negative weights) and +0.0 get one key, since equal floats must."""
+    bits = tl.where(sc == 0.0, 0.0, sc).to(tl.uint32, bitcast=True)
     return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
 
 
@@ -254,7 +264,6 @@ def _select_loaded_row(sc, ids, K, out_row, BLOCK_K: tl.constexpr):
     """Write the K best of one row held in registers (fp32 scores, -inf = not selectable; `ids` their pool
     ids, ascending) to out_row[:K]: those above the K-th score, then the first ones equal to it (ties to the
     lower id), ascending, -1 padded."""
-    sc = tl.where(sc == 0.0, 0.0, sc)  # -0.0 -> +0.0: equal floats must get equal keys
     valid = sc != float("-inf")
     key = tl.where(valid, _ordered_key(sc), 0)
     thr = _kth_key(key, valid, K).to(tl.uint32)
@@ -312,7 +321,6 @@ def _compact_kernel(
     b = tl.program_id(1).to(tl.int64)
     offs_g = tl.arange(0, BLOCK_G)
     gm = tl.load(GM + b * stride_gb + t * stride_gs + offs_g, mask=offs_g < NG, other=float("-inf"))
-    gm = tl.where(gm == 0.0, 0.0, gm)
     gvalid = gm != float("-inf")
     gkey = tl.where(gvalid, _ordered_key(gm), 0)
     thr = _kth_key(gkey, gvalid, K).to(tl.uint32)
@@ -334,7 +342,6 @@ def _compact_kernel(
         on = jj < n_sel
         offs = tl.load(gs_row + jj, mask=on, other=0) * GP + lane % GP
         sc = tl.load(row + offs, mask=on & (offs < NC), other=float("-inf"))
-        sc = tl.where(sc == 0.0, 0.0, sc)
         valid = sc != float("-inf")
         key = tl.where(valid, _ordered_key(sc), 0)
         gt = valid & (key > thr)
