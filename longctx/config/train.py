@@ -18,7 +18,6 @@ from .kernels import KernelConfig, check_replaced
 from .model import PRESETS as MODEL_PRESETS, ModelConfig, _check_types, _is_instance, _type_name
 from .model import preset as model_preset
 from .parallel import ParallelConfig
-from ..data.retrieval_task import KINDS  # the embedded retrieval task's questions, which sft.kinds names
 from ..errors import ConfigError, did_you_mean
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -26,6 +25,7 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("cosine", "linear", "constant")
 TASKS = ("pretrain", "sft", "rl")
 OLD_LOGPROBS = ("trainer", "rollout")  # what an RL update's ratio divides by (RLConfig.old_logprobs)
+KINDS = ("signature", "returns", "file")  # the embedded retrieval task's questions (data/retrieval_task.py)
 MAIN_SOURCE = "main"  # the name of data.path inside a stage's data_mix
 
 
