@@ -82,6 +82,8 @@ CONFIGS = {
     "sparse_kernel_off": lambda p: dataclasses.replace(p, sparse_kernel=False),
     "chunked_indexer_off": lambda p: dataclasses.replace(p, chunked_indexer=False),
     "recompute_off": lambda p: dataclasses.replace(p, recompute="off", offload="off"),
+    # recompute = N (the later blocks keep their activations) -> every block recomputed
+    "partial_recompute_off": lambda p: dataclasses.replace(p, recompute="on") if p.recompute.isdigit() else p,
     "offload_off": lambda p: dataclasses.replace(p, offload="off"),
     "pin_memory_off": lambda p: dataclasses.replace(p, pin_memory=False),
     "keep_pinned_off": lambda p: dataclasses.replace(p, keep_pinned=False),

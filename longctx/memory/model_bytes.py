@@ -5,10 +5,11 @@ parallelism) and a memory plan it adds up:
 
   static      parameters (fp32 master) and AdamW moments (2 x fp32), always; the fp32 gradients that
               exist at the peak and autocast's bf16 weight copies if they are alive then;
-  kept        what survives from forward to backward: with full recompute each block's input
+  kept        what survives from forward to backward: for a block under recompute its input
               (the residual state: n_streams x hidden for mHC) plus, with selection reuse, the
-              int32 selection of each indexer layer; without recompute every activation a block's
-              backward needs (per-token constants below); split into GPU and host by offload;
+              int32 selection of each indexer layer; for a block without it (every block with
+              recompute off, the later ones with recompute = N) every activation its backward
+              needs (per-token constants below); split into GPU and host by offload;
   working     the transient set of the peak phase (a block's recomputed activations, state
               gradients, the KDA/DSA/MoE/indexer/loss workspaces, each bounded by its chunk size
               when chunking is on), and the kept inputs already freed by then (negative).
@@ -124,7 +125,7 @@ class Cluster:
 
 
 def _cp_block_bytes(cfg: ModelConfig, kind: str, S: int, cluster: Cluster, a: int, full_indexer: bool,
-                    plan: MemoryPlan) -> tuple[dict, int]:
+                    plan: MemoryPlan, recomputed: bool) -> tuple[dict, int]:
     """What context parallelism adds to one block of `kind` for S tokens per sequence split over cp ranks
     (T = S/cp each): (the tensors the block saves for backward beyond the per-token model's T tokens, by
     name; the transient buffers of its exchanges in its backward). Counted from the code:
@@ -161,7 +162,7 @@ def _cp_block_bytes(cfg: ModelConfig, kind: str, S: int, cluster: Cluster, a: in
         wide = 2 * T * H * K * a + -(-T // cfg.kda_chunk_size) * H * K * K * 4
         return {"kda cp: the state pass's K wider values": wide, "kda cp: gathered span summaries": summaries}, summaries
     L = cfg.kv_lora_rank
-    keys = full_indexer and not (plan.recompute == "on" and plan.reuse_selection)
+    keys = full_indexer and not (recomputed and plan.reuse_selection)
     gathered = S * (L + 2 * cfg.index_head_dim) * 4 if keys else S * L * a  # the keys are fp32: the rows widen
     return {"dsa cp: gathered latents [S, kv_lora]": S * L * a}, S * L * 4 + 2 * gathered
 
@@ -217,6 +218,8 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
         H, L, R = cfg.attn_heads, cfg.kv_lora_rank, cfg.q_lora_rank
         per = D * a + R * a * 2 + H * cfg.qk_nope_head_dim * a + L * a * 2 + H * L * a * 2 + H * 4
         per += H * cfg.v_head_dim * a * 2
+        # (the int32 selection its attention saves is counted per layer, `_kept_selections`: shared layers
+        # hold the same tensor)
         out["dsa"] = S * per
         if not plan.sparse_kernel:
             # the softmax output and its NaN-cleaned copy, both fp32 [H, S, S] (ops/sparse_attention/naive.py)
@@ -326,15 +329,19 @@ def _indexer_kl_kept(cfg: ModelConfig, S: int, a: int) -> int:
     return S * (per + 2 * cfg.index_head_dim * 4)
 
 
-def _kept_selections(cfg: ModelConfig, plan: MemoryPlan) -> list[bool]:
-    """Per layer: does recompute keep an int32 selection there? A full ('f') DSA layer keeps its own
-    with `reuse_selection`; without it, the first shared ('s') layer after it keeps it as input."""
+def _kept_selections(cfg: ModelConfig, plan: MemoryPlan, rec: list[bool] | None = None) -> list[bool]:
+    """Per layer: does the block hold an int32 selection to backward? `rec[i]`: block i recomputes (default:
+    every block). A recomputed full ('f') DSA layer keeps its own with `reuse_selection`; a full layer without
+    recompute keeps it as its sparse attention's saved index. A shared ('s') layer holds one only when no
+    layer before it already does (recomputed, it keeps the selection it reads as input; not recomputed, its
+    attention saves it), since they all hold the same tensor."""
     kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
+    rec = [True] * len(kinds) if rec is None else rec
     out, owner_kept = [], False
-    for k, f in zip(kinds, idx):
+    for k, f, r in zip(kinds, idx, rec):
         keep = False
         if k == "D" and f == "f":
-            keep = owner_kept = plan.reuse_selection
+            keep = owner_kept = plan.reuse_selection if r else True
         elif k == "D" and not owner_kept:
             keep = owner_kept = True
         out.append(keep)
@@ -358,7 +365,7 @@ def _estimate_chunked(cfg: ModelConfig, S: int, plan: MemoryPlan, gpu: str, a: i
     across the chunks (reduced once per step), as in one process."""
     C = plan.seq_chunk_tokens()
     n_chunks = -(-S // C)
-    inner = dataclasses.replace(plan, seq_chunk="off", offload="0", recompute="on" if plan.recompute == "on" else "off")
+    inner = dataclasses.replace(plan, seq_chunk="off", offload="0")
     kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
     L = cfg.kv_lora_rank
     per_row = L * a if "D" in kinds else 0  # the concatenated latent rows the kernel reads
@@ -466,8 +473,11 @@ def _estimate(cfg, S, plan, cp, gpu, act_bytes, kernels, _chunk, _dsa_prefix, cl
     width = _stream_width(cfg)
     a = act_bytes
     state = S_local * width * cfg.hidden_size * a
-    recompute = plan.recompute == "on"
     n_off = plan.offload_blocks()
+    # the first N blocks recompute (an offloaded input is only read back by a recompute: offload implies it)
+    # (an unresolved "auto" is estimated as no recompute, what the planner tries first)
+    n_rec = L if plan.recompute == "off" and n_off else 0 if plan.recompute == "auto" else plan.recompute_blocks(L)
+    rec = [i < n_rec for i in range(L)]
     kept_gpu, kept_host = {}, {}
     ran = _kernels_run(cfg, plan, gpu, kernels)
     fla, fla_norm = ran.get("kda") == "fla", ran.get("kda_norm") == "fla"
@@ -477,20 +487,20 @@ def _estimate(cfg, S, plan, cp, gpu, act_bytes, kernels, _chunk, _dsa_prefix, cl
     cp_exchange = [0] * L
     if cluster is not None and cluster.cp > 1:
         for i, k in enumerate(kinds):
-            extra, cp_exchange[i] = _cp_block_bytes(cfg, k, S, cluster, a, cfg.indexer_kinds()[i] == "f", plan)
+            extra, cp_exchange[i] = _cp_block_bytes(cfg, k, S, cluster, a, cfg.indexer_kinds()[i] == "f", plan, rec[i])
             per_block[i].update(extra)
     sel = S_local * cfg.index_width() * 4
-    keeps_sel = _kept_selections(cfg, plan)
+    keeps_sel = _kept_selections(cfg, plan, rec)
     kl = _indexer_kl_kept(cfg, S_local, a)
     # reuse_attention: a DSA block under recompute keeps its attention output and fp32 lse (which its
     # recompute then reuses rather than re-creating: not counted twice in its backward)
-    keeps_attn = [recompute and plan.reuse_attention and k == "D" for k in kinds]
+    keeps_attn = [rec[i] and plan.reuse_attention and k == "D" for i, k in enumerate(kinds)]
     attn_parts = [S_local * cfg.attn_heads * cfg.kv_lora_rank * a, S_local * cfg.attn_heads * 4]  # output, fp32 lse
     attn_kept = [sum(attn_parts) if keep else 0 for keep in keeps_attn]
     kept, saved, host = [], [], 0  # per block: what stays on the GPU to backward; what it saves, wherever
     for i, (k, blk) in enumerate(zip(kinds, per_block)):
-        parts = [state] + ([sel] if recompute and keeps_sel[i] else []) + (attn_parts if keeps_attn[i] else [])
-        if not recompute:
+        parts = [state] + ([sel] if keeps_sel[i] else []) + (attn_parts if keeps_attn[i] else [])
+        if not rec[i]:
             parts.append(sum(blk.values()))
         if k == "D" and cfg.indexer_kinds()[i] == "f" and kl:
             parts.append(kl)
@@ -555,12 +565,12 @@ def _estimate(cfg, S, plan, cp, gpu, act_bytes, kernels, _chunk, _dsa_prefix, cl
     for i in reversed(range(L)):
         moe_i = moe_ws if mlps[i] == "m" else 0
         grads = grads_after(i)
-        work = {"recomputed block activations": sum(per_block[i].values()) - attn_kept[i] if recompute else 0,
+        work = {"recomputed block activations": sum(per_block[i].values()) - attn_kept[i] if rec[i] else 0,
                 "state gradients (in flight)": 2 * state,
                 # the post-res backward opens the block's backward, the MoE's comes after: the larger counts
                 "MoE workspace": moe_i if moe_i >= mhc_ws else 0,
                 "mHC stream-op workspace (backward)": mhc_ws if mhc_ws > moe_i else 0,
-                "indexer workspace": idx_ws if kinds[i] == "D" and recompute and not keeps_sel[i] else 0,
+                "indexer workspace": idx_ws if kinds[i] == "D" and rec[i] and not keeps_sel[i] else 0,
                 # an offloaded block's backward holds what it saved, copied back (its input, selection and
                 # kept attention output), and what the block before it saved, prefetched while it recomputes
                 # (`Offloader.unpack`); the H200's peaks show both (counting one block input instead leaves

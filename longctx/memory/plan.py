@@ -4,8 +4,10 @@
     sparse_kernel       DSA gathers only the selected latents     dense attention under the top-k mask, O(S^2)
     chunked_indexer     score/select `indexer_chunk` queries/pass  all queries at once in torch, O(S^2/P)
                         (on CUDA the Triton path, O(1024 x S/P))  (also on CUDA)
-    recompute           full per-block recompute ("auto": when     every activation kept for backward
-                        the estimate says it is needed)
+    recompute           per-block recompute ("auto": as few        every activation kept for backward
+                        blocks as the estimate needs; N: the
+                        first N blocks, the later ones keep their
+                        activations)
     offload             inputs of N blocks to pinned host memory  all on the GPU
                         ("auto": as few blocks as needed to fit)
     pin_memory          pinned host buffers, async copies          pageable buffers
@@ -63,7 +65,7 @@ class MemoryPlan:
     sparse_kernel: bool = True
     chunked_indexer: bool = True
     indexer_chunk: int = 1024
-    recompute: str = "auto"  # "auto" | "on" | "off"
+    recompute: str = "auto"  # "auto" | "on" | "off" | a number of blocks, e.g. "9" (the first 9)
     offload: str = "auto"  # "auto" | "off" | a number of blocks, e.g. "6"
     pin_memory: bool = True
     keep_pinned: bool = True
@@ -97,13 +99,13 @@ class MemoryPlan:
         for k in d:
             if k not in known:
                 raise ConfigError(f"unknown setting memory.{k}{did_you_mean(k, known) or '; the switches are ' + ', '.join(sorted(known))}")
-        for k in ("offload", "seq_chunk"):
+        for k in ("recompute", "offload", "seq_chunk"):
             if k in d and isinstance(d[k], int) and not isinstance(d[k], bool):
                 d[k] = str(d[k])
         plan = dataclasses.replace(base or cls(), **d)
         _check_types(plan, "memory")
-        if plan.recompute not in ("auto", "on", "off"):
-            raise ConfigError(f"memory.recompute must be auto, on or off (got {plan.recompute!r}).")
+        if plan.recompute not in ("auto", "on", "off") and not plan.recompute.isdigit():
+            raise ConfigError(f"memory.recompute must be auto, on, off or a number of blocks (got {plan.recompute!r}).")
         if plan.offload not in ("auto", "off") and not plan.offload.isdigit():
             raise ConfigError(f"memory.offload must be auto, off or a number of blocks (got {plan.offload!r}).")
         if plan.seq_chunk not in ("auto", "off") and not (plan.seq_chunk.isdigit() and int(plan.seq_chunk) > 0):
@@ -115,6 +117,17 @@ class MemoryPlan:
             if getattr(plan, k) < 0:
                 raise ConfigError(f"memory.{k} must be >= 0 (0 = off), got {getattr(plan, k)}.")
         return plan
+
+    def recompute_blocks(self, num_layers: int) -> int:
+        """How many blocks recompute, the first ones: all for "on", none for "off", N for "N" (at most
+        the model's). "auto" must be resolved first."""
+        if self.recompute == "auto":
+            raise ValueError("memory.recompute = auto is resolved by longctx.memory.planner first")
+        n = {"on": num_layers, "off": 0}.get(self.recompute)
+        if n is None and int(self.recompute) > num_layers:
+            raise ConfigError(f"memory.recompute = {self.recompute} names more blocks than the model's {num_layers}; "
+                              f"use a number up to {num_layers}, or on.")
+        return int(self.recompute) if n is None else n
 
     def offload_blocks(self) -> int:
         return int(self.offload) if self.offload.isdigit() else 0
@@ -154,7 +167,14 @@ def apply_plan(model, plan: MemoryPlan):
         if plan.offload_blocks():
             raise ConfigError(f"memory.offload={plan.offload} does not combine with memory.seq_chunk={plan.seq_chunk} "
                               "(a chunk's block inputs are small); set memory.offload = off.")
-    blocks = not chunked and (plan.recompute == "on" or plan.offload_blocks() > 0)
+    n_rec = plan.recompute_blocks(len(model.layers))
+    if plan.recompute.isdigit() and plan.offload_blocks() > n_rec:
+        raise ConfigError(f"memory.offload = {plan.offload} offloads the inputs of blocks that memory.recompute = "
+                          f"{plan.recompute} does not recompute (only the first {n_rec}); offload at most {n_rec} blocks, "
+                          "or recompute more.")
+    if plan.recompute == "off" and plan.offload_blocks():
+        n_rec = len(model.layers)  # an offloaded input is only needed again by a recompute: offload implies it
+    blocks = not chunked and n_rec > 0
     if blocks and getattr(model.cfg, "balancer", None) == "aux" and "m" in model.cfg.mlp_kinds():
         raise ConfigError(
             f"memory.recompute={plan.recompute} / memory.offload={plan.offload} would drop the MoE auxiliary loss "
@@ -179,11 +199,11 @@ def apply_plan(model, plan: MemoryPlan):
         from .sequence_chunks import SequenceChunker
 
         model.block_fn = None
-        return SequenceChunker(plan.seq_chunk_tokens(), checkpoint_blocks=plan.recompute == "on",
+        return SequenceChunker(plan.seq_chunk_tokens(), checkpoint_blocks=n_rec,
                                pin_memory=plan.pin_memory, skip_last_chunk=plan.seq_skip_last,
                                reuse_attention=plan.reuse_attention, compact_selection=plan.compact_selection)
     if blocks:
-        model.block_fn = RecomputePolicy(recompute=True, offload_layers=plan.offload_blocks(),
+        model.block_fn = RecomputePolicy(recompute=n_rec, offload_layers=plan.offload_blocks(),
                                          reuse_selection=plan.reuse_selection, reuse_attention=plan.reuse_attention,
                                          pin_memory=plan.pin_memory,
                                          keep_pinned=plan.keep_pinned)

@@ -94,9 +94,14 @@ def whole_sequence_warning(cfg: ModelConfig, tokens: int, plan: MemoryPlan) -> s
 
 
 def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, cluster: Cluster | None = None) -> list[MemoryPlan]:
-    """The candidates `auto_plan` tries, cheapest first: no recompute, recompute, recompute + offload of 1, 2, ...
-    blocks, then the sequence in chunks (the largest power-of-two chunk up to AUTO_CHUNK_MAX first, recompute
-    on inside a chunk). With seq_chunk "auto", sequences past `whole_sequence_max` go to chunks directly.
+    """The candidates `auto_plan` tries, cheapest first: no recompute, recompute of the first 1, 2, ... L - 1
+    blocks (the later ones keep their activations), recompute of every block, that + offload of 1, 2, ... blocks,
+    then the sequence in chunks (the largest power-of-two chunk up to AUTO_CHUNK_MAX first; inside a chunk
+    every block but the last recomputed, then every block: a chunked step is there for length, and the memory
+    more kept blocks would take is what the next length needs). The last block is the one kept for free: its
+    backward runs right after the forward, so a recompute of it redoes what was just computed, and the peak
+    (that block's backward) holds its activations either way. With seq_chunk "auto", sequences past
+    `whole_sequence_max` go to chunks directly.
     `reuse_attention` (when on) is a speed-for-memory trade (0.21 s for 4 GiB at 128k, H200): it is kept
     while offloading blocks can make room (offload measured free of step time at 256k), given up before
     the sequence is chunked, and within a chunk length given up before the chunk is halved.
@@ -109,7 +114,10 @@ def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, cluste
         cp = cluster.cp
     S_local = -(-S // cp)
     limit = whole_sequence_max(cfg)
-    rc = ["off", "on"] if plan.recompute == "auto" else [plan.recompute]
+    L = cfg.num_layers
+    # cheapest first: no recompute, the first 1, 2, ... blocks recomputed (the later keep their activations), all
+    partial = [str(n) for n in range(1, L)]
+    rc = ["off", *partial, "on"] if plan.recompute == "auto" else [plan.recompute]
     whole = "off" if plan.seq_chunk == "auto" else plan.seq_chunk
     cp_multi = multi and cp > 1  # context parallel: the whole-sequence step only (no chunks over cp ranks)
     if plan.seq_chunk == "auto" and (widest_elements(cfg, S, cluster) > INT32_ELEMENTS if cp_multi else S_local > limit):
@@ -119,6 +127,8 @@ def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, cluste
         for o in offs:
             if r == "off" and o not in ("0", "off"):
                 continue
+            if r.isdigit() and o not in ("0", "off") and (plan.recompute == "auto" or int(o) > int(r)):
+                continue  # offload comes after recompute of every block; it moves recomputed blocks' inputs only
             if whole != "off" and o not in ("0", "off"):
                 continue
             choices.append(dataclasses.replace(plan, recompute=r, offload=o, seq_chunk=whole))
@@ -126,16 +136,20 @@ def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, cluste
         c = min(AUTO_CHUNK_MAX, 1 << max(0, (S_local - 1).bit_length() - 1))  # largest power of two below S_local
         c = min(c, 1 << max(0, limit.bit_length() - 1))
         while c >= 1024:
-            choices.append(dataclasses.replace(plan, recompute="on" if plan.recompute == "auto" else plan.recompute,
-                                               offload="0", seq_chunk=str(c)))
+            for r in ([*partial[-1:], "on"] if plan.recompute == "auto" else [plan.recompute]):
+                choices.append(dataclasses.replace(plan, recompute=r, offload="0", seq_chunk=str(c)))
             c //= 2
     if plan.reuse_attention:
-        kept = lambda c: c.recompute == "on" or c.seq_chunk_tokens() > 0  # noqa: E731  (where the switch acts)
+        # where the switch acts. Under recompute = N a kept block is given up before the kept attention output,
+        # which buys more time per byte: 0.21 s for 4 GiB at 128k (measured) against ~0.05 s for a block's
+        # 15 GiB (h200-ref's block forward, estimated from the 128k profile)
+        kept = lambda c: (c.recompute in ("on", *partial[-1:])  # noqa: E731
+                          or (c.recompute.isdigit() and plan.recompute != "auto"))
         drop = lambda c: dataclasses.replace(c, reuse_attention=False)  # noqa: E731
         blockwise = [c for c in choices if not c.seq_chunk_tokens()]
         chunked = [c for c in choices if c.seq_chunk_tokens()]
         choices = (blockwise + [drop(c) for c in blockwise if kept(c)]
-                   + [v for c in chunked for v in (c, drop(c))])
+                   + [v for c in chunked for v in ((c, drop(c)) if kept(c) else (c,))])
     return choices
 
 

@@ -137,10 +137,12 @@ class _null:
 
 
 class RecomputePolicy:
-    """`model.block_fn`: run blocks under full recompute; offload the inputs of the first
-    `offload_layers` blocks (their inputs are needed last in backward, so the copies hide best)."""
+    """`model.block_fn`: run blocks under recompute (every block for `recompute=True`, the first N for
+    `recompute=N`: the later blocks keep their activations, which their backward, the first to run, frees
+    before any recompute); offload the inputs of the first `offload_layers` blocks (their inputs are
+    needed last in backward, so the copies hide best)."""
 
-    def __init__(self, recompute: bool = True, offload_layers: int = 0, reuse_selection: bool = True,
+    def __init__(self, recompute: bool | int = True, offload_layers: int = 0, reuse_selection: bool = True,
                  pin_memory: bool = True, force_offload: bool = False, keep_pinned: bool = True,
                  reuse_attention: bool = False):
         self.recompute = recompute
@@ -151,7 +153,7 @@ class RecomputePolicy:
                           if offload_layers else None)
 
     def __call__(self, block, state, selection, cu_seqlens):
-        if not self.recompute or not torch.is_grad_enabled():
+        if not self.recomputes(block.idx) or not torch.is_grad_enabled():
             return block(state, selection, cu_seqlens=cu_seqlens)
         flat, spec = _flatten(state)
         off = self.offloader if block.idx < self.offload_layers else None
@@ -165,6 +167,9 @@ class RecomputePolicy:
         elif not sel.numel():
             sel = None
         return _unflatten(out_flat, holder.out_spec), sel
+
+    def recomputes(self, idx: int) -> bool:
+        return self.recompute is True or idx < self.recompute
 
     def end_step(self):
         if self.offloader is not None:

@@ -79,11 +79,11 @@ def check_chunk(model, chunk: int) -> None:
 class SequenceChunker:
     """The trainer's memory policy for a sequence-chunked stage: `forward_backward` replaces
     `model(x, labels=y).loss.backward()`. `chunk`: tokens per chunk; `checkpoint_blocks`: per-block
-    recompute inside a chunk; `selection_to_host`: keep selections in pinned host memory (CUDA);
+    recompute inside a chunk (True: every block; N: the first N, the later ones keep their activations); `selection_to_host`: keep selections in pinned host memory (CUDA);
     `reuse_attention`: a DSA block's recompute takes the attention output and lse of its first pass
     rather than re-running the sparse forward (memory.reuse_attention)."""
 
-    def __init__(self, chunk: int, checkpoint_blocks: bool = True, selection_to_host: bool = True,
+    def __init__(self, chunk: int, checkpoint_blocks: bool | int = True, selection_to_host: bool = True,
                  pin_memory: bool = True, skip_last_chunk: bool = True, reuse_attention: bool = False,
                  compact_selection: bool = True):
         if chunk < 1:
@@ -374,7 +374,7 @@ class SequenceChunker:
         return kl_sum * self._kl["scale"], prev, own
 
     def _run(self, fn, block, state, sel, a, b, *more):
-        if self.checkpoint_blocks:
+        if self.checkpoint_blocks is True or block.idx < self.checkpoint_blocks:
             kw = {}
             if self.reuse_attention and block.kind == "D":
                 kept: dict = {}

@@ -4,6 +4,7 @@ steps stay within 2^31 elements per tensor, and the CLI reports, exits and errs 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -41,7 +42,7 @@ def test_estimate_monotone_and_baseline_far_below_full_plan():
     # auto picks the cheapest plan that fits: no recompute at 8k, recompute (+ offload) when needed
     assert auto_plan(cfg, 8192, MemoryPlan())[0].recompute == "off"
     p, e = auto_plan(cfg, full, MemoryPlan())
-    assert p.recompute == "on" and e["fits"] and e["gpu_reserved_bytes"] <= GPU_FIT * e["gpu_capacity"]
+    assert p.recompute in ("on", str(cfg.num_layers - 1)) and e["fits"] and e["gpu_reserved_bytes"] <= GPU_FIT * e["gpu_capacity"]
     # the estimate is of the allocated peak; the fit rule adds the allocator's slack on top
     assert abs(e["gpu_reserved_bytes"] - ALLOCATOR_SLACK * e["gpu_bytes"]) <= 1
     big = estimate(cfg, 2 * full, p)
@@ -49,19 +50,30 @@ def test_estimate_monotone_and_baseline_far_below_full_plan():
 
 
 def test_plan_choices_give_up_reuse_attention_after_offload_and_before_chunking():
-    """The auto plan's order for the one switch that trades memory for speed: every whole-sequence choice
-    keeping the attention output (no recompute, recompute, + offload of 1, 2, ... blocks), then the same
-    without it, then the chunk lengths, each with it and then without. Forced off, it stays off."""
+    """The auto plan's order: no recompute, recompute of the first 1, 2, ... L - 1 blocks (the later ones
+    keeping their activations), of every block, + offload of 1, 2, ... blocks, all keeping the attention
+    output; then all but the last block and every block recomputed without it (more kept blocks are given
+    up before it: it buys more time per byte); then the chunk lengths, all but the last block recomputed
+    inside and then every block, each with it and then without. Forced off, it stays off. At 128k on the
+    H200 the estimate keeps the last four blocks."""
     cfg = preset("h200-ref")
+    L = cfg.num_layers
     got = [(c.recompute, c.offload, c.seq_chunk, c.reuse_attention) for c in plan_choices(cfg, 131072, MemoryPlan())]
-    blocks = [("on", str(i), "off") for i in range(cfg.num_layers + 1)]
-    chunks = [("on", "0", str(c)) for c in (65536, 32768, 16384, 8192, 4096, 2048, 1024)]
-    assert got == ([("off", "0", "off", True)] + [(*b, True) for b in blocks] + [(*b, False) for b in blocks]
-                   + [(*c, r) for c in chunks for r in (True, False)])
+    partial = [(str(n), "0", "off") for n in range(1, L)]
+    blocks = [("on", str(i), "off") for i in range(L + 1)]
+    chunks = [(r, "0", str(c)) for c in (65536, 32768, 16384, 8192, 4096, 2048, 1024) for r in (str(L - 1), "on")]
+    assert got == ([("off", "0", "off", True)] + [(*b, True) for b in partial + blocks]
+                   + [(*b, False) for b in partial[-1:] + blocks] + [(*c, r) for c in chunks for r in (True, False)])
     off = plan_choices(cfg, 131072, MemoryPlan.from_dict({"reuse_attention": False}))
-    assert not any(c.reuse_attention for c in off) and len(off) == 1 + len(blocks) + len(chunks)
-    p = auto_plan(cfg, 131072, MemoryPlan())[0]
-    assert (p.recompute, p.offload_blocks(), p.reuse_attention) == ("on", 0, True)
+    assert not any(c.reuse_attention for c in off) and len(off) == 1 + len(partial) + len(blocks) + len(chunks)
+    p, e = auto_plan(cfg, 131072, MemoryPlan())
+    assert (p.recompute, p.offload_blocks(), p.reuse_attention) == ("8", 0, True)
+    # the choice before it (7 blocks recomputed, five kept) does not fit; full recompute would
+    assert not estimate(cfg, 131072, dataclasses.replace(p, recompute="7"))["fits"]
+    assert estimate(cfg, 131072, dataclasses.replace(p, recompute="on"))["gpu_bytes"] < e["gpu_bytes"]
+    # a forced number: offload auto moves at most that many blocks' inputs
+    forced = plan_choices(cfg, 131072, MemoryPlan.from_dict({"recompute": 3, "reuse_attention": False}))
+    assert [(c.recompute, c.offload) for c in forced if not c.seq_chunk_tokens()] == [("3", str(i)) for i in range(4)]
 
 
 def test_auto_plan_keeps_whole_sequence_tensors_within_int32_elements():

@@ -12,6 +12,7 @@ import torch
 from longctx.errors import ConfigError
 from longctx.measure.meter import meter_model_step
 from longctx.memory.plan import MemoryPlan, apply_plan
+from longctx.memory.model_bytes import estimate
 from longctx.memory.recompute import _flatten
 from memory_steps import PLAIN, RECOMPUTE, B, S, _assert_same, _batch, _cfg, _model, _nbytes, _step
 
@@ -170,3 +171,44 @@ def test_aux_balancer_with_recompute_is_refused():
     with pytest.raises(ConfigError, match="memory.recompute"):
         apply_plan(model, RECOMPUTE)
     apply_plan(model, PLAIN)  # without recompute it is fine
+
+
+@pytest.mark.parametrize("reuse_attention", [True, False])
+def test_recompute_of_the_first_n_blocks(reuse_attention):
+    """memory.recompute = N: the first N blocks recompute, the later ones keep every activation as without
+    recompute. The loss and gradients are the plain step's for every N (a shared-selection DSA layer reading
+    a recomputed layer's selection and the other way round among them); what each block keeps, from the meter,
+    is the full-recompute step's for the first N blocks and the plain step's for the rest, and the estimate
+    composes the same way."""
+    cfg = _cfg()  # K, D (full), D (shared), D (full)
+    model = _model(cfg)
+    ids, labels = _batch(cfg)
+    ref = _step(model, ids, labels, PLAIN)
+    flags = {"offload": "off", "reuse_attention": reuse_attention}
+    plans = {n: MemoryPlan.from_dict({"recompute": n, **flags}) for n in ("off", "on", 1, 2, 3)}
+    kept = {}
+    for n, plan in plans.items():
+        if n not in ("off", "on"):
+            _assert_same(ref, _step(model, ids, labels, plan))
+        apply_plan(model, plan)
+        kept[n] = [meter_model_step(model, ids, labels).bytes[f"layer{i}"] for i in range(cfg.num_layers)]
+    est = {n: list(estimate(cfg, S * B, plan, act_bytes=4)["kept_gpu"].values()) for n, plan in plans.items()}
+    for n in (1, 2, 3):
+        assert plans[n].recompute_blocks(cfg.num_layers) == n
+        assert kept[n] == kept["on"][:n] + kept["off"][n:], (n, kept)
+        assert est[n] == est["on"][:n] + est["off"][n:], (n, est)
+    assert all(a < b for a, b in zip(kept["on"], kept["off"]))
+    apply_plan(model, PLAIN)
+
+
+def test_recompute_counts_beyond_the_model_or_its_offload_are_refused():
+    model = _model(_cfg())
+    with pytest.raises(ConfigError, match=r"memory.recompute = 5 names more blocks than the model's 4"):
+        apply_plan(model, MemoryPlan.from_dict({"recompute": 5, "offload": "off"}))
+    with pytest.raises(ConfigError, match=r"memory.offload = 3 .*only the first 2"):
+        apply_plan(model, MemoryPlan.from_dict({"recompute": 2, "offload": 3}))
+    with pytest.raises(ConfigError, match="auto, on, off or a number of blocks"):
+        MemoryPlan.from_dict({"recompute": "most"})
+    policy = apply_plan(model, MemoryPlan.from_dict({"recompute": 2, "offload": 2, "pin_memory": False}))
+    assert policy.recompute == 2 and policy.offload_layers == 2
+    apply_plan(model, PLAIN)

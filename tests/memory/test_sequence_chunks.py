@@ -41,7 +41,7 @@ def _grads(model):
 
 
 @pytest.mark.parametrize("residual", ["mhc", "plain"])
-@pytest.mark.parametrize("chunk,ckpt", [(16, True), (23, False), (8, True), (70, True)])
+@pytest.mark.parametrize("chunk,ckpt", [(16, True), (23, False), (8, True), (70, True), (16, 2)])
 def test_same_loss_and_grads_as_the_whole_sequence(residual, chunk, ckpt):
     m = _model(residual)
     x, y = _batch(m.cfg)
