@@ -289,7 +289,9 @@ def format_report(e: dict, phases: bool = False) -> str:
     if e.get("cluster") and e["cluster"]["gpus"] > 1:
         lines.append(f"per GPU of {Cluster(**e['cluster']).describe()}; FSDP shards every parameter over all "
                      f"{e['cluster']['gpus']} (1/{e['cluster']['gpus']} each)")
-    lines += [f"plan: recompute={e['plan']['recompute']} offload={e['plan']['offload']} seq_chunk={e['plan']['seq_chunk']} "
+    rec = str(e["plan"]["recompute"])
+    rec += " (the first blocks; the later ones keep their activations)" if rec.isdigit() else ""
+    lines += [f"plan: recompute={rec} offload={e['plan']['offload']} seq_chunk={e['plan']['seq_chunk']} "
              f"sparse_kernel={e['plan']['sparse_kernel']} chunked_indexer={e['plan']['chunked_indexer']}"]
     c = int(e["plan"]["seq_chunk"]) if str(e["plan"]["seq_chunk"]).isdigit() else 0
     S_local = -(-e["seq_len"] // e["cp"])
