@@ -23,7 +23,8 @@ RANKS = {
     "errors": 0,        # UserError and its subclasses: everything may raise them
     "ops": 1,           # kernels and their torch twins, on tensors only
     "config": 2,        # typed settings; torch-free
-    "data": 2,          # corpora and tokenizers; config reads a tokenizer's vocabulary size, data reads no config
+    "data": 2,          # corpora and tokenizers; config reads a tokenizer's vocabulary size and the task's
+                        # question kinds, data reads no config (SAME_RANK_ONE_WAY)
     "layers": 3,        # nn.Modules over ops, built from a ModelConfig
     "model": 4,
     "kernels": 4,       # which op implementation each layer runs
@@ -174,6 +175,17 @@ def test_no_import_cycles():
 
 def test_no_upward_imports():
     bad = upward_imports(graph())
+    assert not bad, "\n".join(bad)
+
+
+# Parts of one rank where only one may import the other: (importer, imported).
+SAME_RANK_ONE_WAY = [("config", "data")]
+
+
+def test_same_rank_parts_import_one_way():
+    g = graph()
+    bad = [f"{m}:{line} imports {t}" for a, b in SAME_RANK_ONE_WAY for m, deps in g.items() if part(m) == b
+           for t, line in deps if part(t) == a]
     assert not bad, "\n".join(bad)
 
 

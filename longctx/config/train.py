@@ -25,7 +25,6 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("cosine", "linear", "constant")
 TASKS = ("pretrain", "sft", "rl")
 OLD_LOGPROBS = ("trainer", "rollout")  # what an RL update's ratio divides by (RLConfig.old_logprobs)
-KINDS = ("signature", "returns", "file")  # the embedded retrieval task's questions (data/retrieval_task.py)
 MAIN_SOURCE = "main"  # the name of data.path inside a stage's data_mix
 
 
@@ -279,6 +278,8 @@ class TrainConfig:
         _at_least("sft.questions", s.questions, 1)
         _at_least("sft.min_len", s.min_len, 64)
         _at_least("sft.eval_examples", s.eval_examples, 0)
+        from ..data.retrieval_task import KINDS  # the embedded task's questions (torch-free, as config is)
+
         if not s.kinds:
             raise ConfigError(f"sft.kinds is empty; give some of {', '.join(KINDS)}.")
         for k in s.kinds:

@@ -35,7 +35,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..config.train import KINDS  # the question kinds, which the setting sft.kinds names
 from ..errors import DataError
 from .sources import STDLIB_EVAL_ALWAYS, STDLIB_EVAL_SHARE, stable_hash
 
@@ -44,6 +43,7 @@ QUESTIONS = {
     "returns": "What does `{}` return?",
     "file": "Which file defines `{}`?",
 }
+KINDS = tuple(QUESTIONS)  # the question kinds, which the setting sft.kinds names
 _SKIP_DIRS = {"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"}
 _MAX_SIGNATURE = 72   # characters of a signature answer
 _MAX_RETURN = 48      # characters of a return-expression answer
