@@ -239,6 +239,14 @@ class TrainConfig:
         self.kernels.validate()
         self.parallel.validate()
         self.parallel.check_model(self.model)
+        # the memory system checks its settings when a stage starts; a count of blocks that the model does not
+        # have is said now, not after the stages before it have trained
+        L = self.model.num_layers
+        for where, mem in [("memory", self.memory), *((f"stages.{i}.memory", s.memory) for i, s in enumerate(self.stages))]:
+            n = (mem or {}).get("recompute")
+            if isinstance(n, (int, str)) and not isinstance(n, bool) and str(n).isdigit() and int(n) > L:
+                raise ConfigError(f"{where}.recompute = {n} names more blocks than the model's {L}; "
+                                  f"use a number up to {L}, or on.")
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             raise ConfigError(
                 f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 256 ids; "

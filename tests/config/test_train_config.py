@@ -224,6 +224,8 @@ BAD_SETS = [
     (["no_equals_sign"], "is not key=value"),
     (["model=3"], "model must be a table"),
     (["memory=3"], "memory must be dict"),
+    (["memory.recompute=9"], "memory.recompute = 9 names more blocks than the model's 4; use a number up to 4, or on"),
+    (["stages.1.memory={recompute = 5}"], "stages.1.memory.recompute = 5 names more blocks than the model's 4"),
     (["out_dir=runs/a\x00b"], "out_dir 'runs/a\\x00b' has a NUL character"),
     (["data.path=~nosuchuser/corpus"], "data.path '~nosuchuser/corpus' starts with the home folder of a user"),
     (["data.tokenizer=~nosuchuser/t.json"], "data.tokenizer '~nosuchuser/t.json' starts with the home folder"),
