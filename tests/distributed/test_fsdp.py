@@ -1,8 +1,8 @@
 """FSDP2 data parallelism, in 2 and 4 gloo processes against one process holding the whole batch
 (fp32, relative <= 1e-5): the loss (summed shares), every parameter gradient (gathered with
 full_tensor) and the parameters after one AdamW step with gradient clipping; the same with the
-block recompute of the memory plan, and with two accumulated micro-batches that reduce once; each
-rank holds ~1/world of the parameter bytes; the collectives FSDP runs per step are counted; under
+block recompute of the memory plan (every block, and the first two of four), and with two
+accumulated micro-batches that reduce once; each rank holds ~1/world of the parameter bytes; the collectives FSDP runs per step are counted; under
 bf16 gathers the routers stay fp32.
 
 The one process takes the batch in as many micro-batches as the ranks hold pieces (the same
@@ -29,19 +29,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # the one-process references
 TOL = 1e-5
 
 
-def reference(recompute: bool, pieces: int) -> dict:
+def reference(recompute: bool | int, pieces: int) -> dict:
     """One process: the loss, gradients and post-step parameters of the whole batch, taken in
-    `pieces` consecutive micro-batches (see the module docstring for why)."""
+    `pieces` consecutive micro-batches (see the module docstring for why). `recompute`: every block
+    (True) or the first N (`memory.recompute = N`)."""
     model = build()
     if recompute:
         from longctx.memory.recompute import RecomputePolicy
 
-        model.block_fn = RecomputePolicy(recompute=True)
+        model.block_fn = RecomputePolicy(recompute=recompute)
     x, y = batch()
     return one_process_step(model, optimizer(model), x, y, pieces)
 
 
-def check_data_parallel(rank: int, world: int, recompute: bool, micro: int, want: dict, cp: int = 1) -> dict:
+def check_data_parallel(rank: int, world: int, recompute: bool | int, micro: int, want: dict, cp: int = 1) -> dict:
     """`cp` > 1: a (dp, cp) mesh whose every rank holds its own sequences. FSDP sees no difference
     between a cp rank's share of a sequence and a dp rank's share of the batch; the check is that the
     units shard over, and the gradients sum over, the flattened dp x cp ranks."""
@@ -53,7 +54,7 @@ def check_data_parallel(rank: int, world: int, recompute: bool, micro: int, want
     if recompute:
         from longctx.memory.recompute import RecomputePolicy
 
-        model.block_fn = RecomputePolicy(recompute=True)
+        model.block_fn = RecomputePolicy(recompute=recompute)
     parallelize(model, mesh)
     opt = optimizer(model)
     x, y = batch()
@@ -74,7 +75,8 @@ def check_data_parallel(rank: int, world: int, recompute: bool, micro: int, want
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("recompute, micro", [(False, 1), (True, 1), (False, 2)], ids=["plain", "recompute", "accumulate"])
+@pytest.mark.parametrize("recompute, micro", [(False, 1), (True, 1), (2, 1), (False, 2)],
+                         ids=["plain", "recompute", "recompute the first 2", "accumulate"])
 def test_data_parallel_matches_one_process(world, recompute, micro):
     want = reference(recompute, world * micro)
     for cp in [1, 2] if world == 4 and micro == 1 and not recompute else [1]:
