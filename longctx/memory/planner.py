@@ -167,7 +167,18 @@ def auto_plan(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, gpu: str 
                           "sequence-chunked step runs over data-parallel ranks only); use a larger cp"
                           + (" or parallel.kda_cp = chunk_state." if "K" in cfg.layer_kinds() and cluster.cp > 1
                              and cluster.kda_cp != "chunk_state" else "."))
+    # Keeping blocks only adds bytes: a partial recompute fits only where recomputing every block does, so
+    # the partial choices are skipped, unestimated, wherever that one does not fit (`longctx estimate --fit`
+    # asks this of many clusters).
+    all_fit: dict = {}
     for c in plan_choices(cfg, S, plan, cp, cluster):
+        if plan.recompute == "auto" and c.recompute.isdigit():
+            every = dataclasses.replace(c, recompute="on")
+            key = tuple(every.to_dict().items())
+            if key not in all_fit:
+                all_fit[key] = estimate(cfg, S, every, cp, gpu, act_bytes, kernels, cluster=cluster)["fits"]
+            if not all_fit[key]:
+                continue
         e = estimate(cfg, S, c, cp, gpu, act_bytes, kernels, cluster=cluster)
         last = (c, e)
         if e["fits"]:

@@ -144,3 +144,15 @@ def test_estimate_cli_json(capsys):
     # liger's whole-sequence mHC Functions only cost where liger runs: --kernel follows the training setting
     assert peak("--set", "mhc_chunk=0", "--kernel", "mhc=liger") > peak("--set", "mhc_chunk=0", "--kernel", "mhc=torch") \
         == peak("--kernel", "mhc=torch")
+
+
+def test_auto_plan_is_the_first_choice_that_fits():
+    """auto_plan skips the partial-recompute choices, unestimated, where recomputing every block does not fit
+    (keeping blocks only adds bytes); the plan it returns is still the first of plan_choices that fits."""
+    for name, lengths in (("h200-ref", (8192, 65536, 131072, 262144, 1048576)), ("small", (4096, 4194304))):
+        cfg = preset(name)
+        for S in lengths:
+            first = next(c for c in plan_choices(cfg, S, MemoryPlan()) if estimate(cfg, S, c)["fits"])
+            assert auto_plan(cfg, S, MemoryPlan())[0] == first, (name, S)
+    # where nothing fits (GLM-5.3-Flash on one GPU) it says so with the last choice, as before
+    assert not auto_plan(preset("glm-5.3-flash"), 4096, MemoryPlan())[1]["fits"]
