@@ -241,12 +241,8 @@ class TrainConfig:
         self.parallel.check_model(self.model)
         # the memory system checks its settings when a stage starts; a count of blocks that the model does not
         # have is said now, not after the stages before it have trained
-        L = self.model.num_layers
         for where, mem in [("memory", self.memory), *((f"stages.{i}.memory", s.memory) for i, s in enumerate(self.stages))]:
-            n = (mem or {}).get("recompute")
-            if isinstance(n, (int, str)) and not isinstance(n, bool) and str(n).isdigit() and int(n) > L:
-                raise ConfigError(f"{where}.recompute = {n} names more blocks than the model's {L}; "
-                                  f"use a number up to {L}, or on.")
+            check_recompute_count((mem or {}).get("recompute"), self.model.num_layers, f"{where}.recompute")
         if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
             raise ConfigError(
                 f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 256 ids; "
@@ -603,6 +599,13 @@ def _check_init_from(v: str) -> None:
                                  for n in ("config.json", "longctx_config.json", "checkpoint")):
         raise ConfigError(f"init_from {v!r} is not a checkpoint folder (no config.json, longctx_config.json "
                           f"or checkpoint link in it); {fix}.")
+
+
+def check_recompute_count(n, num_layers: int, name: str = "memory.recompute") -> None:
+    """`memory.recompute` as a number of blocks (the first N recompute) must not pass the model's blocks."""
+    if isinstance(n, (int, str)) and not isinstance(n, bool) and str(n).isdigit() and int(n) > num_layers:
+        raise ConfigError(f"{name} = {n} names more blocks than the model's {num_layers}; "
+                          f"use a number up to {num_layers}, or on.")
 
 
 def _at_least(name: str, v: int, lo: int) -> None:

@@ -474,9 +474,8 @@ def _estimate(cfg, S, plan, cp, gpu, act_bytes, kernels, _chunk, _dsa_prefix, cl
     a = act_bytes
     state = S_local * width * cfg.hidden_size * a
     n_off = plan.offload_blocks()
-    # the first N blocks recompute (an offloaded input is only read back by a recompute: offload implies it)
-    # (an unresolved "auto" is estimated as no recompute, what the planner tries first)
-    n_rec = L if plan.recompute == "off" and n_off else 0 if plan.recompute == "auto" else plan.recompute_blocks(L)
+    # the first N blocks recompute (an unresolved "auto" is estimated as no recompute, what the planner tries first)
+    n_rec = 0 if plan.recompute == "auto" else plan.recompute_blocks(L)
     rec = [i < n_rec for i in range(L)]
     kept_gpu, kept_host = {}, {}
     ran = _kernels_run(cfg, plan, gpu, kernels)

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config.model import _check_types
+from ..config.train import check_recompute_count
 from ..errors import ConfigError, did_you_mean
 from ..ops.mhc.liger import DEFAULT_CHUNK as DEFAULT_MHC_CHUNK
 
@@ -119,15 +120,15 @@ class MemoryPlan:
         return plan
 
     def recompute_blocks(self, num_layers: int) -> int:
-        """How many blocks recompute, the first ones: all for "on", none for "off", N for "N" (at most
-        the model's). "auto" must be resolved first."""
+        """How many blocks recompute, the first ones: all for "on", N for "N" (at most the model's), none for
+        "off" unless blocks are offloaded (an offloaded input is read back only by a recompute, so offload
+        implies it). "auto" must be resolved first."""
         if self.recompute == "auto":
             raise ValueError("memory.recompute = auto is resolved by longctx.memory.planner first")
-        n = {"on": num_layers, "off": 0}.get(self.recompute)
-        if n is None and int(self.recompute) > num_layers:
-            raise ConfigError(f"memory.recompute = {self.recompute} names more blocks than the model's {num_layers}; "
-                              f"use a number up to {num_layers}, or on.")
-        return int(self.recompute) if n is None else n
+        check_recompute_count(self.recompute, num_layers)
+        if self.recompute == "off":
+            return num_layers if self.offload_blocks() else 0
+        return num_layers if self.recompute == "on" else int(self.recompute)
 
     def offload_blocks(self) -> int:
         return int(self.offload) if self.offload.isdigit() else 0
@@ -172,8 +173,6 @@ def apply_plan(model, plan: MemoryPlan):
         raise ConfigError(f"memory.offload = {plan.offload} offloads the inputs of blocks that memory.recompute = "
                           f"{plan.recompute} does not recompute (only the first {n_rec}); offload at most {n_rec} blocks, "
                           "or recompute more.")
-    if plan.recompute == "off" and plan.offload_blocks():
-        n_rec = len(model.layers)  # an offloaded input is only needed again by a recompute: offload implies it
     blocks = not chunked and n_rec > 0
     if blocks and getattr(model.cfg, "balancer", None) == "aux" and "m" in model.cfg.mlp_kinds():
         raise ConfigError(
