@@ -141,8 +141,8 @@ def plan_choices(cfg: ModelConfig, S: int, plan: MemoryPlan, cp: int = 1, cluste
             c //= 2
     if plan.reuse_attention:
         # where the switch acts. Under recompute = N a kept block is given up before the kept attention output,
-        # which buys more time per byte: 0.21 s for 4 GiB at 128k (measured) against ~0.05 s for a block's
-        # 15 GiB (h200-ref's block forward, estimated from the 128k profile)
+        # which buys more time per byte (a sparse forward for the output alone, against a block's whole
+        # activations for its forward; memory_model.md)
         kept = lambda c: (c.recompute in ("on", *partial[-1:])  # noqa: E731
                           or (c.recompute.isdigit() and plan.recompute != "auto"))
         drop = lambda c: dataclasses.replace(c, reuse_attention=False)  # noqa: E731
