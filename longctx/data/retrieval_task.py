@@ -11,7 +11,10 @@ each with one exact answer that appears in the haystack:
 
 The name asked about is defined exactly once in the haystack (the example is built so), the answer
 is a span of the file as written (the def line, the single `return` expression, the file header),
-and the reward is exact match (`exact_match`, a plain function RL can name).
+and the reward is exact match (`exact_match`, a plain function RL can name). No answer can be written
+from the question alone (`guessable`): a third of the stdlib's one-line signatures are `name(self)` or
+`name()`, which a model that never reads the haystack gets right once it has learnt the answer's form,
+and a property's `return self._name` gives itself away the same way; those are not asked.
 
 Files are split as the embedded corpus splits its documents (`data.sources.stdlib_corpus`: the
 `email` and `json` packages and one top-level package or module in ten by a stable hash are held
@@ -77,6 +80,16 @@ class SourceFile:
         return "".join(self.lines[a:b])
 
 
+def guessable(kind: str, name: str, answer: str) -> bool:
+    """Whether the answer follows from the question's name alone (no parameters but self or cls; a
+    property's own attribute): such facts are not asked, or an accuracy would count guesses as reads."""
+    if kind == "signature":
+        return re.fullmatch(re.escape(name) + r"\(\s*(?:self|cls)?\s*\)", answer) is not None
+    if kind == "returns":
+        return re.fullmatch(r"(?:self|cls)\._{0,2}" + re.escape(name.lstrip("_")), answer) is not None
+    return False
+
+
 def _own_returns(fn) -> list:
     """The Return statements of fn itself (not of functions, lambdas or classes inside it)."""
     out, todo = [], list(fn.body)
@@ -140,14 +153,14 @@ def parse_file(root: Path, f: Path) -> SourceFile | None:
             head = n.lineno - start  # through the def line
             sf.facts.append(Fact("file", name, sf.path, start, head))
             sig = _signature(lines[n.lineno - 1], name)
-            if sig is not None:
+            if sig is not None and not guessable("signature", name, sig):
                 sf.facts.append(Fact("signature", name, sig, start, head))
             if n.end_lineno - start > _MAX_RETURN_LINES:
                 continue
             rets = _own_returns(n)
             if len(rets) == 1 and rets[0].value is not None:
                 seg = _segment(lines, rets[0].value)
-                if seg and len(seg) <= _MAX_RETURN and seg not in _TRIVIAL_RETURNS:
+                if seg and len(seg) <= _MAX_RETURN and seg not in _TRIVIAL_RETURNS and not guessable("returns", name, seg):
                     sf.facts.append(Fact("returns", name, seg, start, rets[0].end_lineno - start))
     return sf
 

@@ -72,6 +72,8 @@ def test_examples_fill_their_length_and_ask_what_the_haystack_answers(tasks, len
                 assert a == owner
             elif k == "signature":
                 assert a.startswith(name + "(") and ("def " + a) in hay
+                # something between the parentheses that only the haystack says
+                assert re.sub(r"\b(self|cls)\b", "", a[len(name) + 1:-1]).strip(" ,"), a
             else:
                 assert a in hay[defs[0]:]
             kinds_seen.add(k)
@@ -120,7 +122,9 @@ def test_facts_read_from_the_source(tmp_path):
     f.write_text("import os\n\n@staticmethod\ndef scale(x, factor=2):\n    y = x * factor\n    return y + 1\n\n"
                  "def twice(n):\n    if n:\n        return n\n    return 0\n\n"
                  "class C:\n    def method(self, a, *, b=None) -> int:\n        return a.b\n\n"
-                 "def __dunder__(x):\n    return x\n")
+                 "def __dunder__(x):\n    return x\n\n"
+                 "class D:\n    def size(self):\n        return self._size\n    def reset(self):\n        return self.n\n"
+                 "    @classmethod\n    def make(cls):\n        return cls(1)\n\ndef now():\n    return clock()\n")
     sf = parse_file(tmp_path, f)
     got = {(fa.kind, fa.name): fa.answer for fa in sf.facts}
     assert got[("signature", "scale")] == "scale(x, factor=2)"
@@ -129,6 +133,10 @@ def test_facts_read_from_the_source(tmp_path):
     assert ("returns", "twice") not in got  # two returns: no single answer
     assert got[("file", "scale")] == "m.py"
     assert not any(n == "__dunder__" for _, n in got)
+    # what the question's name gives away is not asked: no parameters but self / cls, a property's attribute
+    assert not any(k == "signature" and n in ("size", "reset", "make", "now") for k, n in got)
+    assert ("returns", "size") not in got
+    assert got[("returns", "reset")] == "self.n" and got[("returns", "make")] == "cls(1)" and got[("returns", "now")] == "clock()"
     scale = next(fa for fa in sf.facts if fa.name == "scale" and fa.kind == "returns")
     assert sf.lines[scale.start].startswith("@staticmethod") and sf.lines[scale.start + scale.need - 1].strip() == "return y + 1"
 
