@@ -81,12 +81,14 @@ class SourceFile:
 
 
 def guessable(kind: str, name: str, answer: str) -> bool:
-    """Whether the answer follows from the question's name alone (no parameters but self or cls; a
-    property's own attribute): such facts are not asked, or an accuracy would count guesses as reads."""
+    """Whether the answer can be written without the haystack (no parameters but self or cls; a constant
+    return or a property's own attribute): such facts are not asked, or an accuracy would count guesses
+    as reads."""
     if kind == "signature":
         return re.fullmatch(re.escape(name) + r"\(\s*(?:self|cls)?\s*\)", answer) is not None
     if kind == "returns":
-        return re.fullmatch(r"(?:self|cls)\._{0,2}" + re.escape(name.lstrip("_")), answer) is not None
+        return answer in _TRIVIAL_RETURNS or re.fullmatch(r"(?:self|cls)\._{0,2}" + re.escape(name.lstrip("_")),
+                                                          answer) is not None
     return False
 
 
@@ -160,7 +162,7 @@ def parse_file(root: Path, f: Path) -> SourceFile | None:
             rets = _own_returns(n)
             if len(rets) == 1 and rets[0].value is not None:
                 seg = _segment(lines, rets[0].value)
-                if seg and len(seg) <= _MAX_RETURN and seg not in _TRIVIAL_RETURNS and not guessable("returns", name, seg):
+                if seg and len(seg) <= _MAX_RETURN and not guessable("returns", name, seg):
                     sf.facts.append(Fact("returns", name, seg, start, rets[0].end_lineno - start))
     return sf
 

@@ -80,8 +80,9 @@ class SequenceChunker:
     """The trainer's memory policy for a sequence-chunked stage: `forward_backward` replaces
     `model(x, labels=y).loss.backward()`. `chunk`: tokens per chunk; `checkpoint_blocks`: per-block
     recompute inside a chunk (True: every block; N: the first N, the later ones keep their activations);
-    `selection_to_host`: keep selections in pinned host memory (CUDA); `reuse_attention`: a DSA block's recompute takes the attention output and lse of its first pass
-    rather than re-running the sparse forward (memory.reuse_attention)."""
+    `selection_to_host`: keep selections in pinned host memory (CUDA); `reuse_attention`: a DSA block's
+    recompute takes the attention output and lse of its first pass rather than re-running the sparse
+    forward (memory.reuse_attention)."""
 
     def __init__(self, chunk: int, checkpoint_blocks: bool | int = True, selection_to_host: bool = True,
                  pin_memory: bool = True, skip_last_chunk: bool = True, reuse_attention: bool = False,

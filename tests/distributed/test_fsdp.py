@@ -2,8 +2,8 @@
 (fp32, relative <= 1e-5): the loss (summed shares), every parameter gradient (gathered with
 full_tensor) and the parameters after one AdamW step with gradient clipping; the same with the
 block recompute of the memory plan (every block, and the first two of four), and with two
-accumulated micro-batches that reduce once; each rank holds ~1/world of the parameter bytes; the collectives FSDP runs per step are counted; under
-bf16 gathers the routers stay fp32.
+accumulated micro-batches that reduce once; each rank holds ~1/world of the parameter bytes; the
+collectives FSDP runs per step are counted; under bf16 gathers the routers stay fp32.
 
 The one process takes the batch in as many micro-batches as the ranks hold pieces (the same
 global-mean loss and its gradient, summed in the same grouping). Taken in one piece instead, its
