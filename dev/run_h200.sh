@@ -5,7 +5,7 @@
 #   bash dev/run_h200.sh sparse indexer kda  # kernel benchmarks: bench/<name>.py --out $OUT
 #   bash dev/run_h200.sh step1m              # 8k warm-up, one 1M-token step, baseline's longest context, host memory
 # Parts: tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload rl installed profile peak host
-# switches variants, and kernels (= tests e2e kda) and extras (= offload switches). Results go to $OUT (the device
+# switches variants sft, and kernels (= tests e2e kda) and extras (= offload switches). Results go to $OUT (the device
 # tool's, else bench/out/h200); each benchmark writes its JSON there (bench/results/<name>.json is the
 # tracked copy the README's table reads: copy a run's JSON over it, then `python bench/make_table.py --write`).
 # Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh fetches them).
@@ -158,6 +158,13 @@ switches)
       --configs ${SWITCH_CONFIGS:-all_on,mhc_chunk_off,chunked_indexer_off,reuse_selection_off,router_release_off,mhc_cast_recompute_off,moe_bf16_combine_off,loss_chunk_off} \
       ${SWITCH_ARGS:-} > "$OUT/memory_extras.log" 2>&1; tail -16 "$OUT/memory_extras.log"
   ;;
+sft)
+  # the small model's SFT on the embedded retrieval task (bench/sft_retrieval.py; SFT_ARGS: its options, e.g.
+  # --set stages=[...]); SIGTERM at the part's limit makes the trainer save a checkpoint before it stops
+  timeout -s TERM $(left) python bench/sft_retrieval.py --out "$OUT/sft" --json "$OUT/sft_retrieval.json" ${SFT_ARGS:-} \
+      > "$OUT/sft_retrieval.log" 2>&1; grep -v "^ " "$OUT/sft_retrieval.log" | grep -v "^step" | tail -12; grep "^step" "$OUT/sft_retrieval.log" | tail -4
+  rm -rf "$OUT"/sft/ckpt-* "$OUT"/sft/tb  # the device tool returns at most 8 files: the JSON, log, metrics and plots
+  ;;
 variants)
   # 128k steps with other implementations beside the defaults in one call: VARIANTS, ';'-separated
   # memory.py options ("all_on" for none), e.g. "all_on;--kernel mhc=torch;--kernel rms_norm=torch --kernel swiglu=torch"
@@ -170,6 +177,6 @@ variants)
     rm -f "$OUT/$d/memory.png"  # the device tool returns at most 8 files: keep the JSON
   done
   ;;
-*) echo "usage: dev/run_h200.sh PART... with PART in tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload rl profile peak host switches variants kernels extras"; exit 2 ;;
+*) echo "usage: dev/run_h200.sh PART... with PART in tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload rl profile peak host switches variants sft kernels extras"; exit 2 ;;
 esac
 done
