@@ -14,6 +14,10 @@ every row), the chunked torch twin (256 queries per pass, up to
 as {"oom": true}), records each one's peak memory above the inputs, and checks the Triton path's picks
 against the chunked twin (rows that differ, and whether every difference is a near-tie).
 
+The default path also gets its GPU time without the host's: replayed from a CUDA graph (`graph_ms`) and
+summed over its kernels under the profiler (`kernels_ms`); eager timing counts the host's launches where
+the GPU waits for them.
+
 Floor: the scoring matmul alone at the measured bf16 MMA rate, 2*H*D*S*(S/P)/2 flops (causal) /
 778e12 flop/s; every implementation reports ms / floor. `--probe` times the Triton path's parts alone
 (the scoring matmul, torch.topk, the buffer's HBM traffic); `--select-widths` each selection on 1,024 random
@@ -248,14 +252,44 @@ def select_by_width(K, dev, rows, widths, warmup=1, reps=3, sweep=False) -> list
     return res
 
 
-def two_phase_case(S, H, D, K, dev, warmup, reps, chunk=1024, cfg=None, select="triton"):
+def gpu_time(fn, out, S, H, D, reps) -> dict:
+    """The GPU's own time for fn, without the host's: `graph_ms`, fn captured once in a CUDA graph and
+    replayed (its kernels and the gaps between them; eager timing also counts the host's launches where the
+    GPU waits for them, as it does in the early passes, whose kernels are short), checked to give `out`;
+    `kernels_ms`, the sum of its kernels' times under the profiler, by kernel."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    ms = timed(graph.replay, 1, reps)
+    same = bool(torch.equal(g_out, out))
+    del graph, g_out
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = {e.key.split("(")[0][:48]: round(e.device_time_total / 1e3, 3) for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0}
+    fl = floor_ms(S, H, D)
+    return {"graph_ms": ms, "graph_x_floor": ms / fl, "graph_same_ids": same,
+            "kernels_ms": sum(kernels.values()), "kernels_x_floor": sum(kernels.values()) / fl, "by_kernel": kernels}
+
+
+def two_phase_case(S, H, D, K, dev, warmup, reps, chunk=1024, cfg=None, select="triton", gpu=False):
     """The Triton path (score kernel into an fp32 [chunk, pools] buffer, then `select`: "triton", the row
     kernel that finds the k-th score and emits from one read of the row; "topk", torch.topk's k-th score
-    and the emit kernel): its timing, its output and its inputs."""
+    and the emit kernel): its timing, its output and its inputs; `gpu`: also its GPU time (`gpu_time`)."""
     q, w, pk = inputs(S, H, D, dev)
-    res, out = run_impl(lambda: kpool_topk_triton(q, w, pk, P, K, chunk=chunk, cfg=cfg, select=select),
-                        S, H, D, dev, warmup, reps)
+    fn = lambda: kpool_topk_triton(q, w, pk, P, K, chunk=chunk, cfg=cfg, select=select)  # noqa: E731
+    res, out = run_impl(fn, S, H, D, dev, warmup, reps)
     res.update(chunk=chunk, select=select)
+    if gpu and out is not None and not dev.cpu:
+        res.update(gpu_time(fn, out, S, H, D, reps))
     return res, out, (q, w, pk)
 
 
@@ -348,7 +382,7 @@ def main():
             if skip:
                 case["two_phase"] = skip
             else:
-                case["two_phase"], kout, kin = two_phase_case(S, H, D, K, dev, warmup, reps, chunk=chunk)
+                case["two_phase"], kout, kin = two_phase_case(S, H, D, K, dev, warmup, reps, chunk=chunk, gpu=True)
                 last["two_phase"] = (case["two_phase"], S)
                 # the same path with torch.topk's k-th score and the two-read emit kernel, in the same run
                 case["two_phase_topk"], tk_out, _ = two_phase_case(S, H, D, K, dev, warmup, reps, chunk=chunk,
