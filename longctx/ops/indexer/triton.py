@@ -485,18 +485,29 @@ def group_maxima(score: torch.Tensor, group: int) -> torch.Tensor:
     return score.unflatten(-1, (-1, group)).amax(-1)
 
 
-def _compact(score: torch.Tensor, k: int, gmax: torch.Tensor | None, group: int):
-    """`_compact_kernel` on [B, c, n] scores: the candidates' scores, ids, counts and the buffer's width."""
+def compact_workspace(B: int, rows: int, k: int, group: int, device) -> dict:
+    """"compact"'s temporaries for `rows` rows at `group`: the ids of the groups a row reads (k a row), its
+    candidates' scores and ids (k x group a row) and their count; a caller running many passes allocates
+    them once (`_compact` takes views of the first rows)."""
+    return {"gs": torch.empty(B, rows, k, dtype=torch.int32, device=device),
+            "cs": torch.empty(B, rows, k * group, dtype=torch.float32, device=device),
+            "ci": torch.empty(B, rows, k * group, dtype=torch.int32, device=device),
+            "cnt": torch.empty(B, rows, dtype=torch.int32, device=device)}
+
+
+def _compact(score: torch.Tensor, k: int, gmax: torch.Tensor | None, group: int, work: dict | None = None):
+    """`_compact_kernel` on [B, c, n] scores: the candidates' scores, ids, counts and the buffer's width.
+    `work`: `compact_workspace`'s buffers for at least c rows and this group (else allocated here)."""
     B, c, n = score.shape
     if gmax is None or gmax.shape[-1] != triton.cdiv(n, group):  # none, or GROUP's: coarsen to the group
         gmax = group_maxima(score, group) if gmax is None else group_maxima(gmax, group // GROUP)
     gmax = _last_contig(gmax)
     ng = gmax.shape[-1]
     cap = k * group
-    gs = torch.empty(B, c, k, dtype=torch.int32, device=score.device)  # the ids of the groups a row reads
-    cs = torch.empty(B, c, cap, dtype=torch.float32, device=score.device)
-    ci = torch.empty(B, c, cap, dtype=torch.int32, device=score.device)
-    cnt = torch.empty(B, c, dtype=torch.int32, device=score.device)
+    if work is None or work["cs"].shape[-1] < cap:
+        work = compact_workspace(B, c, k, group, score.device)
+    gs, cnt = work["gs"][:, :c], work["cnt"][:, :c]
+    cs, ci = work["cs"][:, :c, :cap], work["ci"][:, :c, :cap]
     block_g = max(16, triton.next_power_of_2(ng))
     _compact_kernel[(c, B)](
         score, gmax, gs, cs, ci, cnt,
@@ -519,11 +530,12 @@ def compact_candidates(score: torch.Tensor, k: int, gmax: torch.Tensor | None = 
     return _compact(_last_contig(score), k, gmax, group)[2]
 
 
-def _select_compact(score: torch.Tensor, k: int, out: torch.Tensor, gmax: torch.Tensor | None, group: int) -> None:
+def _select_compact(score: torch.Tensor, k: int, out: torch.Tensor, gmax: torch.Tensor | None, group: int,
+                    work: dict | None = None) -> None:
     """"compact": each row's scores above the k-th largest of its group maxima (a lower bound of its k-th
     score) into a buffer of k x group, then the row kernel's selection over those candidates."""
     B, c, _ = score.shape
-    cs, ci, cnt, cap = _compact(score, k, gmax, group)
+    cs, ci, cnt, cap = _compact(score, k, gmax, group, work)
     big = max(16, triton.next_power_of_2(cap))
     _select_candidates_kernel[(c, B)](
         cs, ci, cnt, out, cs.stride(0), cs.stride(1), cnt.stride(0), out.stride(0), out.stride(1), k,
@@ -534,7 +546,8 @@ def _select_compact(score: torch.Tensor, k: int, out: torch.Tensor, gmax: torch.
 
 
 def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, block_n: int = 256,
-                              method: str = "auto", gmax: torch.Tensor | None = None) -> torch.Tensor:
+                              method: str = "auto", gmax: torch.Tensor | None = None,
+                              out: torch.Tensor | None = None, work: dict | None = None) -> torch.Tensor:
     """fp32 [B, c, n] scores (-inf = not selectable) -> int32 [B, c, k]: `naive.select_from_scores`'
     function (top k, ties to the lower pool id, ascending, -1 padded). `method`:
 
@@ -548,11 +561,13 @@ def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, blo
     - "auto": `auto_method` ("rows" for rows of at most ROW_AUTO scores, "compact" past them where it
       applies, else "topk"; the split by row width is measured: bench/indexer.py --probe, `select_by_width`).
 
-    All give the same ids."""
+    All give the same ids. `out`: where to write them (a [B, c, k] view with a unit last stride); `work`:
+    "compact"'s temporaries (`compact_workspace`), for a caller that selects many blocks."""
     if method not in SELECTS:
         raise ValueError(f"select_from_scores_triton: method={method!r}; use one of {SELECTS}")
     B, c, n = score.shape
-    out = torch.empty(B, c, k, dtype=torch.int32, device=score.device)
+    if out is None:
+        out = torch.empty(B, c, k, dtype=torch.int32, device=score.device)
     if k == 0:
         return out
     if n == 0 or c == 0:
@@ -578,7 +593,7 @@ def select_from_scores_triton(score: torch.Tensor, k: int, block_m: int = 4, blo
         )
         return out
     if method == "compact":
-        _select_compact(score, k, out, gmax, group)
+        _select_compact(score, k, out, gmax, group, work)
         return out
     kth = score.topk(min(k, n), dim=-1, sorted=False).values.amin(-1).contiguous()  # -inf: fewer than k selectable
     _emit_from_scores_kernel[(triton.cdiv(c, block_m), B)](
@@ -606,6 +621,16 @@ def kpool_scores_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool
         return (out, gm) if group else out
     if _interpreting():
         _fix_interpreter_loop_bounds()
+    _score_into(q, w, pk, pool, q_offset, c, group, out, gm)
+    return (out, gm) if group else out
+
+
+def _score_into(q, w, pk, pool: int, q_offset: int, c: dict, group: int, out: torch.Tensor, gm: torch.Tensor) -> None:
+    """`_kpool_score_kernel` into `out` [B, S, n_cols] and `gm` (views with a unit last stride), inputs
+    checked: `kpool_topk_triton`'s passes call it directly, so that a pass costs the host its launches
+    and little else (the early passes' kernels are shorter than their launches)."""
+    B, S, H, D = q.shape
+    n_cols = out.shape[-1]
     grid = (triton.cdiv(S, c["BLOCK_M"]), triton.cdiv(n_cols, c["BLOCK_N"] * c["TILES"]), B)
     _kpool_score_kernel[grid](
         q, w, pk, out, gm,
@@ -620,7 +645,6 @@ def kpool_scores_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool
         DOT_F32=_interpreting() and q.dtype != torch.float32, GROUP=group,
         num_warps=c["num_warps"], num_stages=c["num_stages"], **({"maxnreg": c["maxnreg"]} if c.get("maxnreg") else {}),
     )
-    return (out, gm) if group else out
 
 
 def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: int, k_pools: int,
@@ -651,7 +675,15 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
     out = torch.full((B, S, k_pools), -1, dtype=torch.int32, device=q.device)
     if S == 0 or k_pools == 0:
         return out
-    block_n = {**_cfg(*q.shape[2:]), **(cfg or {})}["BLOCK_N"]
+    q, pk = _last_contig(q), _last_contig(pk)
+    c = {**_cfg(*q.shape[2:]), **(cfg or {})}
+    if _interpreting():
+        _fix_interpreter_loop_bounds()
+    # one score buffer, group maxima and "compact" workspace for every chunk, each chunk a view of their first
+    # rows and columns: the buffers are those of the widest chunk, the last (what the memory estimate counts)
+    rows, n_max = min(chunk, S), min(NP, (q_offset + S) // pool)
+    buf = torch.empty(B, rows, max(n_max, 1), dtype=torch.float32, device=q.device)
+    gm_buf = work = None
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         n = min(NP, (q_offset + s1) // pool)  # pools the chunk's last query can see
@@ -661,13 +693,18 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
         group = 0
         if method == "compact":  # the score kernel writes the group's maxima where its tile holds the group
             group = compact_group(n, k_pools)
-            group = group if group is not None and block_n % group == 0 else GROUP
-        score = kpool_scores_triton(q[:, s0:s1], w[:, s0:s1], pk, pool, n, q_offset=q_offset + s0, cfg=cfg,
-                                    group=group)
-        score, gm = score if group else (score, None)
+            work_group = group
+            group = group if group is not None and c["BLOCK_N"] % group == 0 else GROUP
+            if gm_buf is None:
+                gm_buf = torch.empty(B, rows, triton.cdiv(n_max, GROUP), dtype=torch.float32, device=q.device)
+            if work is None and work_group is not None:
+                work = compact_workspace(B, rows, k_pools, compact_group(n_max, k_pools) or work_group, q.device)
+        score = buf[:, : s1 - s0, :n]
+        gm = gm_buf[:, : s1 - s0, : triton.cdiv(n, group)] if group else buf[:, :0, :0]
+        _score_into(q[:, s0:s1], w[:, s0:s1], pk, pool, q_offset + s0, c, group, score, gm)
         if method != "torch":
-            out[:, s0:s1] = select_from_scores_triton(score, k_pools, method=method, gmax=gm)
+            select_from_scores_triton(score, k_pools, method=method, gmax=gm if group else None,
+                                      out=out[:, s0:s1], work=work)
         else:
             out[:, s0:s1] = select_from_scores(score, score != float("-inf"), k_pools)
-        del score, gm  # before the next chunk's buffer: one buffer alive at a time
     return out
