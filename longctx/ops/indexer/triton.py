@@ -679,28 +679,31 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
     c = {**_cfg(*q.shape[2:]), **(cfg or {})}
     if _interpreting():
         _fix_interpreter_loop_bounds()
-    # one score buffer, group maxima and "compact" workspace for every chunk, each chunk a view of their first
-    # rows and columns: the buffers are those of the widest chunk, the last (what the memory estimate counts)
-    rows, n_max = min(chunk, S), min(NP, (q_offset + S) // pool)
-    buf = torch.empty(B, rows, max(n_max, 1), dtype=torch.float32, device=q.device)
-    gm_buf = work = None
+    # the passes: queries [s0, s1), the pools the last of them sees, the selection, the group whose maxima the
+    # score kernel writes ("compact": its own group where the tile holds it, else GROUP's) and compact's group
+    passes = []
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
-        n = min(NP, (q_offset + s1) // pool)  # pools the chunk's last query can see
+        n = min(NP, (q_offset + s1) // pool)
         if n == 0:
             continue
         method = auto_method(n, k_pools) if select == "triton" else select
-        group = 0
-        if method == "compact":  # the score kernel writes the group's maxima where its tile holds the group
-            group = compact_group(n, k_pools)
-            work_group = group
-            group = group if group is not None and c["BLOCK_N"] % group == 0 else GROUP
-            if gm_buf is None:
-                gm_buf = torch.empty(B, rows, triton.cdiv(n_max, GROUP), dtype=torch.float32, device=q.device)
-            if work is None and work_group is not None:
-                work = compact_workspace(B, rows, k_pools, compact_group(n_max, k_pools) or work_group, q.device)
+        cg = compact_group(n, k_pools) if method == "compact" else None
+        group = (cg if cg is not None and c["BLOCK_N"] % cg == 0 else GROUP) if method == "compact" else 0
+        passes.append((s0, s1, n, method, group, cg))
+    if not passes:
+        return out
+    # one score buffer, one of group maxima and one "compact" workspace for the call, each pass a view of their
+    # first rows and columns: as large as the last pass's (the widest), what the memory estimate counts
+    rows = min(chunk, S)
+    buf = torch.empty(B, rows, max(p[2] for p in passes), dtype=torch.float32, device=q.device)
+    gm_width = max((triton.cdiv(p[2], p[4]) for p in passes if p[4]), default=0)
+    gm_buf = torch.empty(B, rows, gm_width, dtype=torch.float32, device=q.device)
+    work_group = max((p[5] for p in passes if p[5] is not None), default=None)
+    work = compact_workspace(B, rows, k_pools, work_group, q.device) if work_group is not None else None
+    for s0, s1, n, method, group, _ in passes:
         score = buf[:, : s1 - s0, :n]
-        gm = gm_buf[:, : s1 - s0, : triton.cdiv(n, group)] if group else buf[:, :0, :0]
+        gm = gm_buf[:, : s1 - s0, : triton.cdiv(n, group) if group else 0]
         _score_into(q[:, s0:s1], w[:, s0:s1], pk, pool, q_offset + s0, c, group, score, gm)
         if method != "torch":
             select_from_scores_triton(score, k_pools, method=method, gmax=gm if group else None,
