@@ -257,27 +257,29 @@ def gpu_time(fn, out, S, H, D, reps) -> dict:
     replayed (its kernels and the gaps between them; eager timing also counts the host's launches where the
     GPU waits for them, as it does in the early passes, whose kernels are short), checked to give `out`;
     `kernels_ms`, the sum of its kernels' times under the profiler, by kernel."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    ms = timed(graph.replay, 1, reps)
-    same = bool(torch.equal(g_out, out))
-    del graph, g_out
+    fl = floor_ms(S, H, D)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_out = fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        ms = timed(graph.replay, 1, reps)
+        res = {"graph_ms": ms, "graph_x_floor": ms / fl, "graph_same_ids": bool(torch.equal(g_out, out))}
+        del graph, g_out
+    except RuntimeError as e:  # recorded, so that the eager figures of the run still come back
+        res = {"graph_error": str(e).split("\n")[0][:200]}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     kernels = {e.key.split("(")[0][:48]: round(e.device_time_total / 1e3, 3) for e in prof.key_averages()
                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0}
-    fl = floor_ms(S, H, D)
-    return {"graph_ms": ms, "graph_x_floor": ms / fl, "graph_same_ids": same,
-            "kernels_ms": sum(kernels.values()), "kernels_x_floor": sum(kernels.values()) / fl, "by_kernel": kernels}
+    return {**res, "kernels_ms": sum(kernels.values()), "kernels_x_floor": sum(kernels.values()) / fl, "by_kernel": kernels}
 
 
 def two_phase_case(S, H, D, K, dev, warmup, reps, chunk=1024, cfg=None, select="triton", gpu=False):

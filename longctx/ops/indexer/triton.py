@@ -697,13 +697,13 @@ def kpool_topk_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool: 
     # first rows and columns: as large as the last pass's (the widest), what the memory estimate counts
     rows = min(chunk, S)
     buf = torch.empty(B, rows, max(p[2] for p in passes), dtype=torch.float32, device=q.device)
-    gm_width = max((triton.cdiv(p[2], p[4]) for p in passes if p[4]), default=0)
+    gm_width = max((triton.cdiv(p[2], p[4]) for p in passes if p[4]), default=1)  # never empty: a kernel argument
     gm_buf = torch.empty(B, rows, gm_width, dtype=torch.float32, device=q.device)
     work_group = max((p[5] for p in passes if p[5] is not None), default=None)
     work = compact_workspace(B, rows, k_pools, work_group, q.device) if work_group is not None else None
     for s0, s1, n, method, group, _ in passes:
         score = buf[:, : s1 - s0, :n]
-        gm = gm_buf[:, : s1 - s0, : triton.cdiv(n, group) if group else 0]
+        gm = gm_buf[:, : s1 - s0, : triton.cdiv(n, group) if group else 1]
         _score_into(q[:, s0:s1], w[:, s0:s1], pk, pool, q_offset + s0, c, group, score, gm)
         if method != "torch":
             select_from_scores_triton(score, k_pools, method=method, gmax=gm if group else None,
