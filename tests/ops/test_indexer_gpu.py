@@ -185,8 +185,8 @@ def triton_next_pow2(n: int) -> int:
 
 def test_memory_is_one_buffer_of_queries():
     """Peak memory beyond the inputs: the output plus one block of queries' fp32 scores against the pools
-    (and the selection's temporaries over it; the last chunk's buffer freed before the next), never the
-    [S, NP] scores (4 GiB here)."""
+    (and the selection's temporaries over it; one buffer, the last block's size, for every block), never
+    the [S, NP] scores (4 GiB here)."""
     from longctx.ops.indexer.triton import kpool_topk_triton
 
     S, H, D, P, K, chunk = 65536, 16, 64, 4, 512, 1024
