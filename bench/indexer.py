@@ -254,8 +254,8 @@ def select_by_width(K, dev, rows, widths, warmup=1, reps=3, sweep=False) -> list
 
 def gpu_time(fn, out, S, H, D, reps) -> dict:
     """The GPU's own time for fn, without the host's: `graph_ms`, fn captured once in a CUDA graph and
-    replayed (its kernels and the gaps between them; eager timing also counts the host's launches where the
-    GPU waits for them, as it does in the early passes, whose kernels are short), checked to give `out`;
+    replayed (its kernels and the gaps between them; eager timing also counts the host's launches wherever
+    the GPU waits for them), checked to give `out`;
     `kernels_ms`, the sum of its kernels' times under the profiler, by kernel."""
     fl = floor_ms(S, H, D)
     try:

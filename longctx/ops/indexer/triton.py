@@ -628,7 +628,7 @@ def kpool_scores_triton(q: torch.Tensor, w: torch.Tensor, pk: torch.Tensor, pool
 def _score_into(q, w, pk, pool: int, q_offset: int, c: dict, group: int, out: torch.Tensor, gm: torch.Tensor) -> None:
     """`_kpool_score_kernel` into `out` [B, S, n_cols] and `gm` (views with a unit last stride), inputs
     checked: `kpool_topk_triton`'s passes call it directly, so that a pass costs the host its launches
-    and little else (the early passes' kernels are shorter than their launches)."""
+    and little else (the early passes' kernels are short, so the GPU can wait on the host there)."""
     B, S, H, D = q.shape
     n_cols = out.shape[-1]
     grid = (triton.cdiv(S, c["BLOCK_M"]), triton.cdiv(n_cols, c["BLOCK_N"] * c["TILES"]), B)
