@@ -162,13 +162,13 @@ def kda_hidden_gather(layer, x: torch.Tensor, group, layout: str = "zigzag", cu_
     cu = None if bounds is None else torch.tensor(bounds, dtype=torch.long, device=x.device)
 
     xs = gathered_to_sequence(comm.all_gather(x, group), S, layout)  # [B, S, hidden] in sequence order
-    qkv = torch.cat([F.linear(xs, layer.q_proj.weight[rows]), F.linear(xs, layer.k_proj.weight[rows]),
-                     F.linear(xs, layer.v_proj.weight[rows])], -1)
+    qkv = layer.qkv_projection(xs, rows)
     q, k, v = (t.view(B, S, Hl, K) for t in _conv(layer, qkv, rows, cu, conv_fla).split(Hl * K, -1))
-    g_raw = F.linear(layer.f_a_proj(xs), layer.f_b_proj.weight[rows]).view(B, S, Hl, K)
-    beta = torch.sigmoid(F.linear(xs, layer.b_proj.weight[h0:h1]))
+    f_a, b, g_a = layer.gate_projections(xs, slice(h0, h1))
+    g_raw = F.linear(f_a, layer.f_b_proj.weight[rows]).view(B, S, Hl, K)
+    beta = torch.sigmoid(b)
     o, _ = _kda(layer, backend, q, k, v, g_raw, beta, layer.A_log[h0:h1], layer.dt_bias[rows], cu_seqlens=cu)
-    gate = F.linear(layer.g_a_proj(xs), layer.g_b_proj.weight[rows]).view(B, S, Hl, K)
+    gate = F.linear(g_a, layer.g_b_proj.weight[rows]).view(B, S, Hl, K)
     o = _gated_norm(layer, o, gate, x.dtype, norm_fla)
     _tag(layer, backend, "hidden_gather", conv_fla, norm_fla)
     return layer.o_proj(_return_to_owners(o, group, cp, layout))
@@ -188,9 +188,9 @@ def kda_qkv_a2a(layer, x: torch.Tensor, group, layout: str = "zigzag", cu_seqlen
     backend, conv_fla, norm_fla = _impls(layer, x)
     cu = None if bounds is None else torch.tensor(bounds, dtype=torch.long, device=x.device)
 
-    view = lambda t: t.view(B, T, H, -1)  # noqa: E731
-    packed = torch.cat([view(layer.q_proj(x)), view(layer.k_proj(x)), view(layer.v_proj(x)),
-                        view(layer.f_b_proj(layer.f_a_proj(x))), view(torch.sigmoid(layer.b_proj(x)))], -1)
+    f_a, b, g_a = layer.gate_projections(x)
+    packed = torch.cat([*layer.qkv_projection(x).view(B, T, 3, H, K).unbind(2),
+                        layer.f_b_proj(f_a).view(B, T, H, K), torch.sigmoid(b).view(B, T, H, 1)], -1)
     # [B, T, H, 4K+1] -> [cp, B, T, Hl, 4K+1]: row j holds head group j, which rank j runs
     send = packed.view(B, T, cp, Hl, 4 * K + 1).permute(2, 0, 1, 3, 4)
     full = gathered_to_sequence(comm.all_to_all(send, group), S, layout)  # [B, S, Hl, 4K+1]
@@ -199,7 +199,7 @@ def kda_qkv_a2a(layer, x: torch.Tensor, group, layout: str = "zigzag", cu_seqlen
     q, k, v = (t.view(B, S, Hl, K) for t in _conv(layer, qkv, rows, cu, conv_fla).split(Hl * K, -1))
     o, _ = _kda(layer, backend, q, k, v, g_raw, beta[..., 0], layer.A_log[h0:h1], layer.dt_bias[rows], cu_seqlens=cu)
     o = _return_to_owners(o.to(x.dtype), group, cp, layout).view(B, T, H, K)
-    gate = layer.g_b_proj(layer.g_a_proj(x)).view(B, T, H, K)
+    gate = layer.g_b_proj(g_a).view(B, T, H, K)
     _tag(layer, backend, "qkv_a2a", conv_fla, norm_fla)
     return layer.o_proj(_gated_norm(layer, o, gate, x.dtype, norm_fla).reshape(B, T, H * K))
 
@@ -241,16 +241,16 @@ def kda_chunk_state(layer, x: torch.Tensor, group, layout: str = "zigzag", cu_se
     halos = comm.all_gather(halo, group) if halo is not None else None  # [cp, n_spans, B, W-1, hidden]
     ending_at = {b: (j, i) for j in range(cp) for i, (_, b) in enumerate(segments(S, cp, j, layout))}
 
-    pieces = []  # per span: (x rows, q, k, v, g_raw, beta)
+    pieces, g_as = [], []  # per span: (x rows, q, k, v, g_raw, beta); the output gate's low rank
     for i, (a, b) in enumerate(spans):
         xs = x[:, offs[i]: offs[i + 1]]
         h = W - 1 if (a > 0 and halos is not None) else 0
         xw = torch.cat([halos[ending_at[a]], xs], 1) if h else xs
-        qkv = torch.cat([layer.q_proj(xw), layer.k_proj(xw), layer.v_proj(xw)], -1)
-        qkv = _conv(layer, qkv, None, _local_bounds(bounds, a - h, b, x.device), conv_fla)[:, h:]
+        qkv = _conv(layer, layer.qkv_projection(xw), None, _local_bounds(bounds, a - h, b, x.device), conv_fla)[:, h:]
         q, k, v = (t.view(B, b - a, H, K) for t in qkv.split(H * K, -1))
-        g_raw = layer.f_b_proj(layer.f_a_proj(xs)).view(B, b - a, H, K)
-        pieces.append((xs, q, k, v, g_raw, torch.sigmoid(layer.b_proj(xs))))
+        f_a, logits, g_a = layer.gate_projections(xs)
+        pieces.append((xs, q, k, v, layer.f_b_proj(f_a).view(B, b - a, H, K), torch.sigmoid(logits)))
+        g_as.append(g_a)
 
     use_fla = (fla_cp is not False and backend == "fla" and layout == "contiguous" and B == 1)
     ctx = _fla_cp_context(group, S, bounds, x.device) if use_fla else None
@@ -265,8 +265,8 @@ def kda_chunk_state(layer, x: torch.Tensor, group, layout: str = "zigzag", cu_se
         outs, received = _state_pass(layer, backend, pieces, spans, bounds, group, halos, S, cp, layout)
 
     ys = []
-    for (xs, *_), o in zip(pieces, outs):
-        gate = layer.g_b_proj(layer.g_a_proj(xs)).view(*xs.shape[:2], H, K)
+    for (xs, *_), g_a, o in zip(pieces, g_as, outs):
+        gate = layer.g_b_proj(g_a).view(*xs.shape[:2], H, K)
         ys.append(layer.o_proj(_gated_norm(layer, o, gate, x.dtype, norm_fla).reshape(*xs.shape[:2], H * K)))
     _tag(layer, backend, "chunk_state" + ("-fla" if ctx is not None else ""), conv_fla, norm_fla)
     return comm.keep_in_graph(torch.cat(ys, 1), *[r for r in received if r is not None])

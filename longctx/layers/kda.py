@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -146,6 +147,25 @@ class KimiDeltaAttention(nn.Module):
                 _pick("kda_conv", k["kda_conv"], IMPLS, cuda, lambda: kda_ops.conv_unavailable(dev)),
                 _pick("kda_norm", k["kda_norm"], IMPLS, cuda, lambda: kda_ops.norm_unavailable(dev)))
 
+    # ------------------------------------------------------------------ projections
+    # Six projections read x. As six Linears, x's gradient arrives six times and autograd adds them up:
+    # five adds of [T, hidden] (each reads two and writes one), and the forward concatenates q, k and v
+    # for the conv. Stacking the weights by rows gives the same outputs, column for column, from two
+    # matmuls: q|k|v already in the conv's layout, and the three narrow ones (K + H + K columns, too
+    # narrow to run well alone) together; x's gradient is then two products and one add.
+    def qkv_projection(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        """The conv's input q|k|v of x: [..., 3 * H * K] (`rows`: those rows of each of the three
+        weights, a head range's channels)."""
+        ws = [p.weight if rows is None else p.weight[rows] for p in (self.q_proj, self.k_proj, self.v_proj)]
+        return F.linear(x, torch.cat(ws))
+
+    def gate_projections(self, x: torch.Tensor, heads: slice | None = None):
+        """(f_a(x) [..., K], b(x) [..., H] (`heads`: those heads' logits), g_a(x) [..., K]): views of one
+        product."""
+        b = self.b_proj.weight if heads is None else self.b_proj.weight[heads]
+        K = self.head_dim
+        return F.linear(x, torch.cat([self.f_a_proj.weight, b, self.g_a_proj.weight])).split([K, b.shape[0], K], -1)
+
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, state: KDAState | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]. Without `state`: training / full prefill (chunked).
@@ -158,11 +178,11 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError("KimiDeltaAttention: decoding with a KDAState takes unpacked rows; drop cu_seqlens.")
         backend, conv, norm = self.pick(x)
         conv_fla, norm_fla = conv == "fla", norm == "fla"
-        qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state, cu_seqlens,
-                               conv_fla)
+        qkv = self._short_conv(self.qkv_projection(x), state, cu_seqlens, conv_fla)
         q, k, v = (t.view(B, T, H, K) for t in qkv.split(H * K, -1))
-        g_raw = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
-        beta = torch.sigmoid(self.b_proj(x))
+        f_a, b, g_a = self.gate_projections(x)
+        g_raw = self.f_b_proj(f_a).view(B, T, H, K)
+        beta = torch.sigmoid(b)
         initial = state.recurrent if state is not None else None
         want_final = state is not None
 
@@ -190,7 +210,7 @@ class KimiDeltaAttention(nn.Module):
         if conv_fla:
             self.last_impl += "+fla-conv"
 
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)
+        gate = self.g_b_proj(g_a).view(B, T, H, K)
         if norm_fla:
             o = fla_gated_rms_norm(o.to(x.dtype), gate.to(x.dtype), self.o_norm.weight, self.o_norm.eps)
             self.last_impl += "+fla-norm"

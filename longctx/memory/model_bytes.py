@@ -174,6 +174,19 @@ def _fsdp_bytes(cfg: ModelConfig, cluster: Cluster) -> tuple[int, list[int]]:
     return c["root"] * cluster.param_bytes, [p - e + e // cluster.ep for p, e in c["blocks"]]
 
 
+def _stacked_weights(cfg: ModelConfig, kind: str, mlp: str) -> int:
+    """Parameters of one block that run as one matmul over weights stacked by rows (a new tensor each call,
+    so autocast casts it per call instead of caching a copy): the KDA mixer's q, k, v, f_a, b and g_a
+    (layers/kda.py) and the dense MLP's or shared experts' gate and up (layers/mlp.py)."""
+    D = cfg.hidden_size
+    n = (3 * cfg.kda_heads * cfg.kda_head_dim + 2 * cfg.kda_head_dim + cfg.kda_heads) * D if kind == "K" else 0
+    if mlp == "d":
+        n += 2 * cfg.intermediate_size * D
+    else:
+        n += 2 * cfg.n_shared_experts * cfg.moe_intermediate_size * D
+    return n
+
+
 def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan: MemoryPlan, a: int = 2,
                             fla: bool = False, fla_norm: bool = False, ep: int = 1) -> dict:
     """Bytes a block saves for its backward when it runs *without* recompute, by component (the bytes
@@ -241,6 +254,8 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
         # per MoE chunk of tokens
         chunks = -(-S // plan.moe_chunk) if plan.moe_chunk else 1
         out["moe bf16 expert weights"] = chunks * (cfg.n_routed_experts // ep) * 3 * D * I * a
+    # the stacked projections' weights (`_stacked_weights`), made each call and saved by their matmuls
+    out["stacked projection weights"] = _stacked_weights(cfg, kind, mlp) * a
     return out
 
 
@@ -529,10 +544,12 @@ def _estimate(cfg, S, plan, cp, gpu, act_bytes, kernels, _chunk, _dsa_prefix, cl
         # the root is gathered for the whole step (parallelize: reshard_after_forward=False)
         base[FSDP_ROOT] = root_g
     # autocast's cached bf16 copies: the weights that go through its casts (linear layers); the
-    # embedding is indexed in fp32 and the experts are cast per call by the MoE (layers/moe.py): their
-    # copies are a block's saved activations (_block_activation_bytes), not cached
+    # embedding is indexed in fp32, the experts are cast per call by the MoE (layers/moe.py) and the stacked
+    # projections' weights are new tensors each call: their copies are a block's saved activations
+    # (_block_activation_bytes), not cached
     n_experts = mlps.count("m") * cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    bf16 = (n_params - n_experts - cfg.vocab_size * cfg.hidden_size) * 2
+    n_stacked = sum(_stacked_weights(cfg, k, m) for k, m in zip(kinds, mlps))
+    bf16 = (n_params - n_experts - n_stacked - cfg.vocab_size * cfg.hidden_size) * 2
     if multi and cluster.param_bytes < 4:  # the gathered weights are bf16 already: autocast casts nothing
         bf16 = 0
 

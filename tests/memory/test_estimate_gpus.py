@@ -14,7 +14,7 @@ import torch
 from longctx.config import preset
 from longctx.config.parallel import ParallelConfig
 from longctx.errors import ConfigError
-from longctx.memory.model_bytes import Cluster, estimate
+from longctx.memory.model_bytes import Cluster, _stacked_weights, estimate
 from longctx.memory.plan import MemoryPlan
 from longctx.memory.planner import auto_plan, cp_candidates, pick_cp, plan_choices, widest_elements
 from longctx.model import LongCtxModel
@@ -63,12 +63,13 @@ def test_parameter_gradient_and_optimizer_bytes_scale_1_over_g():
         # the blocks' gradients made so far are 1/G shards; the root's (LM head) is unsharded to the end
         per_block = (n - 2 * head) / L
         assert abs(st["gradients alive at the peak (fp32)"] - (4 * head + 4 * per_block * (L - i) / G)) <= 1
-    # autocast caches a whole bf16 copy of every fp32 weight FSDP gathers that it casts (all but the embedding
-    # and the routed experts) for the forward; bf16 gathers leave it nothing to cast, and halve the root's
+    # autocast caches a whole bf16 copy of every fp32 weight FSDP gathers that it casts (all but the embedding,
+    # the routed experts and the stacked projections) for the forward; bf16 gathers leave it nothing to cast, and halve the root's
     fwd = "the end of the forward (loss)"
     f32 = estimate(cfg, 8192, RECOMPUTE, cluster=Cluster(gpus=4))["phases_gpu_bytes"][fwd]
     f16 = estimate(cfg, 8192, RECOMPUTE, cluster=Cluster(gpus=4, param_bytes=2))["phases_gpu_bytes"][fwd]
-    cast = n - sum(x for _, x in blocks) - cfg.vocab_size * cfg.hidden_size
+    stacked = sum(_stacked_weights(cfg, k, m) for k, m in zip(cfg.layer_kinds(), cfg.mlp_kinds()))  # cast per call
+    cast = n - sum(x for _, x in blocks) - cfg.vocab_size * cfg.hidden_size - stacked
     assert f32 - f16 == 2 * cast + 2 * root + 2 * head  # and the LM head's unsharded gradient, in the gathered dtype
     off = estimate(cfg, 8192, RECOMPUTE, cluster=Cluster(gpus=4, opt_offload=True))
     on = estimate(cfg, 8192, RECOMPUTE, cluster=Cluster(gpus=4))
