@@ -153,15 +153,22 @@ def main() -> int:
     # mHC's coefficient projection at h200-ref's width (K = 4 x 1536, M = 24): ours at its launch configs,
     # and liger's (what streams wider than 8 run) at its defaults, where liger-kernel is importable
     proj_ptrs = {"X": "*bf16", "PHI": "*fp32", "MIX": "*fp32", "INVR": "*fp32", "GZ": "*fp32", "FAC": "*fp32",
-                 "GX": "*bf16", "GPHI": "*fp32", "eps": "fp32"}
-    f, b = mhc_project.FWD, mhc_project.BWD
+                 "GX": "*bf16", "GPHI": "*fp32", "HPRE": "*fp32", "GO": "*bf16", "GIN": "*bf16", "GH": "*fp32",
+                 "eps": "fp32"}
+    f, b, pg = mhc_project.FWD, mhc_project.BWD, mhc_project.PRE_GRAD
+    bwd = dict(K=6144, D=1536, NS=4, BLOCK_N=b["BLOCK_N"], BLOCK_K=b["BLOCK_K"], BLOCK_M=32, ROW_BLOCKS=b["ROW_BLOCKS"],
+               PREC="tf32")
     rows += [
         compile_one("mHC projection fwd (ours)", mhc_project._project_fwd, proj_ptrs,
                     dict(K=6144, BLOCK_N=f["BLOCK_N"], BLOCK_K=f["BLOCK_K"], BLOCK_M=32, PREC="tf32"), f["num_warps"],
                     f["num_stages"], ints={"M": 24}),
         compile_one("mHC projection bwd (ours)", mhc_project._project_bwd, proj_ptrs,
-                    dict(K=6144, BLOCK_N=b["BLOCK_N"], BLOCK_K=b["BLOCK_K"], BLOCK_M=32, ROW_BLOCKS=b["ROW_BLOCKS"],
-                         PREC="tf32"), b["num_warps"], b["num_stages"], ints={"M": 24}),
+                    dict(bwd, HAS_PRE=False, HAS_IN=False), b["num_warps"], b["num_stages"], ints={"M": 24}),
+        # the entering connection's backward: the collapse's and the expand's gradients of x summed in
+        compile_one("mHC projection bwd + pre + expand (ours)", mhc_project._project_bwd, proj_ptrs,
+                    dict(bwd, HAS_PRE=True, HAS_IN=True), b["num_warps"], b["num_stages"], ints={"M": 24}),
+        compile_one("mHC pre coefficient grad (ours)", mhc_project._pre_grad, proj_ptrs,
+                    dict(D=1536, NS=4, BLOCK_N=pg["BLOCK_N"], BLOCK_D=pg["BLOCK_D"], BLOCK_S=4), pg["num_warps"]),
     ]
     try:
         from liger_kernel.ops.mhc import _mhc_mm_norm_bwd_fused_kernel, _mhc_mm_norm_fwd_kernel

@@ -75,17 +75,19 @@ class MHC(nn.Module):
     def enter(self, streams: torch.Tensor):
         if self.pick(streams) == "liger":
             self.last_impl = "mhc:liger+triton-proj" if mhc_liger.projection(self.n) == "triton" else "mhc:liger"
-            pre, post, comb = mhc_liger.liger_mhc_coefficients(streams, self.fn, self.base, self.scale, iters=self.iters,
-                                                               hc_eps=self.hc_eps, norm_eps=self.norm_eps)
-            return mhc_liger.liger_mhc_pre(streams, pre, chunk=self.liger_chunk), (post, comb, "liger")
+            x, (post, comb, link) = mhc_liger.liger_mhc_enter(streams, self.fn, self.base, self.scale, iters=self.iters,
+                                                              hc_eps=self.hc_eps, norm_eps=self.norm_eps,
+                                                              chunk=self.liger_chunk)
+            return x, (post, comb, "liger", link, streams)
         self.last_impl = "mhc:torch"
         pre, post, comb = self.coefficients(streams)
-        return mhc_ops.mhc_pre(streams, pre), (post, comb, "torch")
+        return mhc_ops.mhc_pre(streams, pre), (post, comb, "torch", None, streams)
 
     def exit(self, streams: torch.Tensor, ctx, y: torch.Tensor) -> torch.Tensor:
-        post, comb, impl = ctx
-        if impl == "liger":
-            return mhc_liger.liger_mhc_post_res(streams, y, post, comb, chunk=self.liger_chunk)
+        post, comb, impl, link, entered = ctx
+        if impl == "liger":  # the link only joins the gradients of the streams the enter read
+            return mhc_liger.liger_mhc_post_res(streams, y, post, comb, chunk=self.liger_chunk,
+                                                link=link if streams is entered else None)
         return mhc_ops.mhc_post_res(streams, y, post, comb)
 
 

@@ -31,6 +31,9 @@ forward and backward, within bf16 rounding (tests/ops/test_mhc_gpu.py). The mapp
   row x row-stride in int32, so past 2^31 elements they read and write outside their tensors (h200-ref's
   streams hold 6,144 elements a token: 349,525 tokens). Longer inputs go through in pieces, the same ops
   on each (`tests/ops/test_mhc_liger.py` on the CPU; `tests/ops/test_int32_gpu.py` at 524,288 tokens).
+- `liger_mhc_enter`: the coefficients and the collapse as one Function (`_Enter`) whose backward also
+  takes the expand's gradient of the streams (a `Link` from `liger_mhc_post_res`) and writes the streams'
+  gradient once (docs/design/mhc.md, "The entering connection's backward").
 - The coefficients' projection runs our kernels (`triton.py`; liger's take 0.28 s of a 128k step, ~6x
   their byte floor) with liger's Sinkhorn kernels around them (`_Coefficients`) for up to 8 streams, where
   our tiles fit the SM's shared memory; wider streams run liger's whole coefficient Function
@@ -49,7 +52,8 @@ from .. import int32_rows, warn_tf32
 from .. import triton_interpreting as interpreting
 from ..loss.liger import LIGER_MIN_VERSION, liger_import_error
 
-__all__ = ["check_mhc_args", "liger_mhc_available", "liger_mhc_coefficients", "liger_mhc_post_res", "liger_mhc_pre"]
+__all__ = ["Link", "check_mhc_args", "fused_enter", "liger_mhc_available", "liger_mhc_coefficients", "liger_mhc_enter",
+           "liger_mhc_post_res", "liger_mhc_pre"]
 
 MAX_STREAMS = 16
 DEFAULT_CHUNK = 16384  # memory.mhc_chunk's default: one chunk's fp32 buffer is 384 MiB at h200-ref's 4 x 1536
@@ -158,6 +162,31 @@ def liger_mhc_coefficients(streams: torch.Tensor, fn: torch.Tensor, base: torch.
     return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
 
 
+def fused_enter(n: int, chunk: int) -> bool:
+    """Whether `liger_mhc_enter` runs the coefficients and the collapse as one Function (`_Enter`): with our
+    projection (n <= PROJECT_MAX_STREAMS) and the stream ops in chunks (memory.mhc_chunk > 0)."""
+    return chunk > 0 and projection(n) == "triton"
+
+
+def liger_mhc_enter(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+                    iters: int, hc_eps: float, norm_eps: float, chunk: int):
+    """(x_in [..., D], (post [..., n], comb [..., n, n], link)): the collapse of the streams and the exit's
+    coefficients, as `liger_mhc_pre(streams, pre)` after `liger_mhc_coefficients`. Where `fused_enter`, one
+    Function (`_Enter`) whose backward sums the gradients of the streams in one kernel, the exit's among
+    them when `liger_mhc_post_res` is handed the link; else those two functions and no link (None)."""
+    n, D = streams.shape[-2:]
+    if not fused_enter(n, chunk):
+        pre, post, comb = liger_mhc_coefficients(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+        return liger_mhc_pre(streams, pre, chunk=chunk), (post, comb, None)
+    _require()
+    check_mhc_args(streams, fn, base, scale, iters)
+    lead = streams.shape[:-2]
+    link = Link()
+    x_in, post, comb = _Enter.apply(streams.reshape(-1, n, D), fn, base, scale, int(iters), float(hc_eps),
+                                    float(norm_eps), min(chunk, launch_rows(n * D)), link)
+    return x_in.view(*lead, D), (post.view(*lead, n), comb.view(*lead, n, n), link)
+
+
 def liger_mhc_pre(streams: torch.Tensor, pre: torch.Tensor, chunk: int = 0) -> torch.Tensor:
     """sum_j pre[j] * streams[j], accumulated in fp32, in the streams' dtype: [..., D].
     `chunk` > 0: liger's kernels over `chunk` tokens at a time (`_ChunkedPre`), else liger's own Function."""
@@ -172,9 +201,11 @@ def liger_mhc_pre(streams: torch.Tensor, pre: torch.Tensor, chunk: int = 0) -> t
 
 
 def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                       chunk: int = 0) -> torch.Tensor:
+                       chunk: int = 0, link: Link | None = None) -> torch.Tensor:
     """out[i] = post[i] * y + sum_j comb[j, i] * streams[j], in the streams' dtype: [..., n, D].
-    `chunk` > 0: liger's kernels over `chunk` tokens at a time (`_ChunkedPostRes`), else liger's own Function."""
+    `chunk` > 0: liger's kernels over `chunk` tokens at a time (`_ChunkedPostRes`), else liger's own Function.
+    `link` (from `liger_mhc_enter` on these same streams, with `chunk` > 0): the streams' gradient goes to
+    the enter's backward rather than to autograd."""
     _require()
     if y.shape != streams.shape[:-2] + streams.shape[-1:]:
         raise ValueError(f"liger mHC: the sub-layer output {tuple(y.shape)} must be streams {tuple(streams.shape)} "
@@ -184,7 +215,7 @@ def liger_mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tenso
     x, f = streams.reshape(-1, n, D), y.reshape(-1, D)
     h_post, h_res = post.reshape(-1, n), comb.transpose(-1, -2).reshape(-1, n, n)
     if chunk > 0:
-        out = _ChunkedPostRes.apply(x, f, h_post.float(), h_res.float(), min(chunk, launch_rows(n * D)))
+        out = _ChunkedPostRes.apply(x, f, h_post.float(), h_res.float(), min(chunk, launch_rows(n * D)), link)
         return out.view(streams.shape)
     from liger_kernel.transformers.functional import liger_mhc_post_res as _post_res
 
@@ -225,6 +256,45 @@ def projection(n: int) -> str:
     return "triton" if n <= PROJECT_MAX_STREAMS else "liger"
 
 
+def _coefficients_fwd(x, fn, base, scale, iters, hc_eps, norm_eps, want_grad: bool):
+    """Our projection, then liger's split and Sinkhorn: x [N, n, D] -> ((pre, post, comb) fp32 in liger's
+    layout, what their backward keeps)."""
+    from liger_kernel.ops.mhc import mhc_split_sinkhorn_fwd
+
+    from .triton import project_fwd
+
+    N, n, D = x.shape
+    x2 = x.reshape(N, n * D).contiguous()
+    phi = fn.detach().float().t().contiguous()
+    mix, invr = project_fwd(x2, phi, norm_eps)
+    b, sc = base.detach().float().contiguous(), scale.detach().float()
+    got = mhc_split_sinkhorn_fwd(mix, b, sc[0], sc[1], sc[2], tmax=iters, pre_eps=hc_eps, sinkhorn_eps=hc_eps,
+                                 post_mult=2.0, return_hist=want_grad)
+    return got[:3], (x2, phi, mix, invr, b, sc, *got[3:])
+
+
+def _logit_grads(saved, n: int, iters: int, eps: float, g_pre, g_post, g_comb):
+    """From the coefficients' gradients: (the projection's output gradient [N, M], grad base, grad scale).
+    The logits are scale_i * mix + base; pre = sigmoid + eps, post = 2 sigmoid, comb = Sinkhorn."""
+    from liger_kernel.ops.mhc import mhc_sinkhorn_bwd
+
+    x2, phi, mix, invr, b, sc, *hist = saved
+    N = x2.shape[0]
+    dev = mix.device
+    g_pre = torch.zeros(N, n, device=dev) if g_pre is None else g_pre.float()
+    g_post = torch.zeros(N, n, device=dev) if g_post is None else g_post.float()
+    g_comb = torch.zeros(N, n, n, device=dev) if g_comb is None else g_comb.float().contiguous()
+    z_res = mhc_sinkhorn_bwd(mix, b, sc[2], g_comb, tmax=iters, sinkhorn_eps=eps,
+                             hist=hist[0] if hist else None).reshape(N, n * n)
+    s_pre = torch.sigmoid(mix[:, :n] * sc[0] + b[:n])
+    s_post = torch.sigmoid(mix[:, n:2 * n] * sc[1] + b[n:2 * n])
+    z = torch.cat([g_pre * s_pre * (1 - s_pre), g_post * 2 * s_post * (1 - s_post), z_res], 1)  # d logits [N, M]
+    per_col = torch.cat([sc[0].expand(n), sc[1].expand(n), sc[2].expand(n * n)])
+    grad_scale = torch.stack([(z[:, :n] * mix[:, :n]).sum(), (z[:, n:2 * n] * mix[:, n:2 * n]).sum(),
+                              (z[:, 2 * n:] * mix[:, 2 * n:]).sum()])
+    return (z * per_col).contiguous(), z.sum(0), grad_scale
+
+
 class _Coefficients(torch.autograd.Function):
     """liger's coefficient Function with the projection mix = RMSNorm(x) @ fn^T done by ours: x [N, n, D]
     -> (pre [N, n], post [N, n], comb [N, n, n]) fp32, liger's layout (comb[o, i]). The Sinkhorn runs in
@@ -233,46 +303,77 @@ class _Coefficients(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, fn, base, scale, iters, hc_eps, norm_eps):
-        from liger_kernel.ops.mhc import mhc_split_sinkhorn_fwd
-
-        from .triton import project_fwd
-
-        N, n, D = x.shape
-        x2 = x.reshape(N, n * D).contiguous()
-        phi = fn.detach().float().t().contiguous()
-        mix, invr = project_fwd(x2, phi, norm_eps)
-        b, sc = base.detach().float().contiguous(), scale.detach().float()
-        want = any(ctx.needs_input_grad)
-        got = mhc_split_sinkhorn_fwd(mix, b, sc[0], sc[1], sc[2], tmax=iters, pre_eps=hc_eps, sinkhorn_eps=hc_eps,
-                                     post_mult=2.0, return_hist=want)
-        ctx.save_for_backward(x2, phi, mix, invr, b, sc, *got[3:])
-        ctx.meta = (n, D, iters, hc_eps)
-        return got[0], got[1], got[2]
+        coeffs, saved = _coefficients_fwd(x, fn, base, scale, iters, hc_eps, norm_eps, any(ctx.needs_input_grad))
+        ctx.save_for_backward(*saved)
+        ctx.meta = (*x.shape[1:], iters, hc_eps)
+        return coeffs
 
     @staticmethod
     def backward(ctx, g_pre, g_post, g_comb):
-        from liger_kernel.ops.mhc import mhc_sinkhorn_bwd
-
         from .triton import project_bwd
 
-        x2, phi, mix, invr, b, sc, *hist = ctx.saved_tensors
+        saved = ctx.saved_tensors
         n, D, iters, eps = ctx.meta
-        N = x2.shape[0]
-        dev = mix.device
-        g_pre = torch.zeros(N, n, device=dev) if g_pre is None else g_pre.float()
-        g_post = torch.zeros(N, n, device=dev) if g_post is None else g_post.float()
-        g_comb = torch.zeros(N, n, n, device=dev) if g_comb is None else g_comb.float().contiguous()
-        # the logits are scale_i * mix + base; pre = sigmoid + eps, post = 2 sigmoid, comb = Sinkhorn
-        z_res = mhc_sinkhorn_bwd(mix, b, sc[2], g_comb, tmax=iters, sinkhorn_eps=eps,
-                                 hist=hist[0] if hist else None).reshape(N, n * n)
-        s_pre = torch.sigmoid(mix[:, :n] * sc[0] + b[:n])
-        s_post = torch.sigmoid(mix[:, n:2 * n] * sc[1] + b[n:2 * n])
-        z = torch.cat([g_pre * s_pre * (1 - s_pre), g_post * 2 * s_post * (1 - s_post), z_res], 1)  # d logits [N, M]
-        per_col = torch.cat([sc[0].expand(n), sc[1].expand(n), sc[2].expand(n * n)])
-        grad_scale = torch.stack([(z[:, :n] * mix[:, :n]).sum(), (z[:, n:2 * n] * mix[:, n:2 * n]).sum(),
-                                  (z[:, 2 * n:] * mix[:, 2 * n:]).sum()])
-        gx, gphi = project_bwd(x2, phi, mix, invr, (z * per_col).contiguous())
-        return gx.view(N, n, D), gphi.t(), z.sum(0), grad_scale, None, None, None
+        gz, g_base, g_scale = _logit_grads(saved, n, iters, eps, g_pre, g_post, g_comb)
+        x2, phi, mix, invr = saved[:4]
+        gx, gphi = project_bwd(x2, phi, mix, invr, gz)
+        return gx.view(-1, n, D), gphi.t(), g_base, g_scale, None, None, None
+
+
+class Link:
+    """Hands the expand's gradient of the streams to the entering connection's backward, which sums it
+    into its own in one kernel (`_Enter`). The streams of a connection feed two autograd nodes, the enter
+    (coefficients and collapse) and the exit (the expand, `_ChunkedPostRes`); as two gradients autograd
+    adds them, a read of two and a write of one [N, n D] tensor. The exit's backward always runs first
+    (the enter's outputs post and comb are the exit's inputs), so it leaves its gradient here and returns
+    none for the streams; the enter adds it and clears it."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self):
+        self.grad: torch.Tensor | None = None
+
+
+class _Enter(torch.autograd.Function):
+    """The entering half of a connection: coefficients (`_coefficients_fwd`) and the collapse x_in = sum_i
+    pre_i x_i (liger's kernel over `chunk` tokens at a time), x [N, n, D] -> (x_in [N, D], post [N, n],
+    comb [N, n, n] liger's layout). Backward reads x twice where the separate Functions read it three times
+    and autograd adds their gradients twice: the collapse's coefficient gradient (`triton.pre_grad`), then
+    the projection's backward with the collapse's and the expand's (`Link`) gradients of x summed in
+    (`triton.project_bwd`). At 128k tokens of h200-ref, [N, n D] bf16 is 1.6 GB: from 10.25 such passes
+    over memory a connection to 4.5 (counted)."""
+
+    @staticmethod
+    def forward(ctx, x, fn, base, scale, iters, hc_eps, norm_eps, chunk, link):
+        from liger_kernel.ops.mhc import mhc_pre_fwd
+
+        (pre, post, comb), saved = _coefficients_fwd(x, fn, base, scale, iters, hc_eps, norm_eps,
+                                                     any(ctx.needs_input_grad))
+        x2, N, (n, D) = saved[0], x.shape[0], x.shape[1:]
+        pre = pre.contiguous()
+        x_in = torch.empty((N, D), device=x.device, dtype=x.dtype)
+        xv = x2.view(N, n, D)
+        for a, b in _spans(N, chunk):
+            mhc_pre_fwd(xv[a:b], pre[a:b], out=x_in[a:b])
+        ctx.save_for_backward(pre, *saved)
+        ctx.meta, ctx.link = (n, D, iters, hc_eps), link
+        return x_in, post, comb
+
+    @staticmethod
+    def backward(ctx, g_in, g_post, g_comb):
+        from .triton import pre_grad, project_bwd
+
+        pre, *saved = ctx.saved_tensors
+        n, D, iters, eps = ctx.meta
+        x2, phi, mix, invr = saved[:4]
+        g_pre = pre_grad(x2, g_in, n) if g_in is not None else None
+        gz, g_base, g_scale = _logit_grads(saved, n, iters, eps, g_pre, g_post, g_comb)
+        link, expand = ctx.link, None
+        if link is not None:
+            expand, link.grad = link.grad, None
+        gx, gphi = project_bwd(x2, phi, mix, invr, gz, pre=None if g_in is None else (pre, g_in),
+                               grad_in=None if expand is None else expand.view(x2.shape))
+        return gx.view(-1, n, D), gphi.t(), g_base, g_scale, None, None, None, None, None
 
 
 def _spans(N: int, chunk: int):
@@ -308,8 +409,11 @@ class _ChunkedPre(torch.autograd.Function):
 
 
 class _ChunkedPostRes(torch.autograd.Function):
+    """`link` (a `Link`, or None): the streams' gradient goes there, for the entering connection's backward
+    to sum in, instead of back to autograd."""
+
     @staticmethod
-    def forward(ctx, x, f, h_post, h_res, chunk):  # x [N, n, D], f [N, D], h_post [N, n], h_res [N, n, n] (liger's layout)
+    def forward(ctx, x, f, h_post, h_res, chunk, link=None):  # x [N, n, D], f [N, D], h_post [N, n], h_res [N, n, n] (liger's layout)
         from liger_kernel.ops.mhc import mhc_post_res_fwd
 
         x, f, h_post, h_res = x.contiguous(), f.contiguous(), h_post.contiguous(), h_res.contiguous()
@@ -318,7 +422,7 @@ class _ChunkedPostRes(torch.autograd.Function):
         for a, b in _spans(N, chunk):
             mhc_post_res_fwd(x[a:b], f[a:b], h_post[a:b], h_res[a:b], out=out[a:b])
         ctx.save_for_backward(x, f, h_post, h_res)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.link = chunk, link
         return out
 
     @staticmethod
@@ -334,4 +438,6 @@ class _ChunkedPostRes(torch.autograd.Function):
         for a, b in _spans(N, ctx.chunk):
             mhc_post_res_bwd(x[a:b], f[a:b], h_post[a:b], h_res[a:b], go[a:b], out_grad_x=gx[a:b],
                              out_grad_f=gf[a:b], out_grad_hpost=g_post[a:b], out_grad_hres=g_res[a:b])
-        return gx, gf, g_post, g_res, None
+        if ctx.link is not None and ctx.needs_input_grad[0]:
+            ctx.link.grad, gx = gx, None
+        return gx, gf, g_post, g_res, None, None

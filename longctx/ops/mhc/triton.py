@@ -21,6 +21,10 @@ their grad fn slice in registers, then adds it once with a relaxed atomic (N / 5
 Counted: forward ~0.6-0.8 ms, backward ~1.2-1.5 ms a call at 128k tokens; measured on the H200: 1.35 and
 2.68 ms against liger's 2.99 and 5.84 (bench/results/mhc.json).
 Products as liger's: x in fp32, tf32 tensor-core dots with fp32 accumulation ("ieee" for fp32 checks).
+
+The entering connection's backward (`liger._Enter`) also runs here: `pre_grad`, the collapse's coefficient
+gradient (x and the collapse's output gradient read once), and `project_bwd` with the collapse's and the
+expand's gradients of x added in its registers, so x's gradient is written once (docs/design/mhc.md).
 """
 
 from __future__ import annotations
@@ -60,8 +64,9 @@ def _project_fwd(X, PHI, MIX, INVR, N, M, eps, K: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _project_bwd(X, PHI, GZ, FAC, GX, GPHI, N, M, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr, PREC: tl.constexpr):
+def _project_bwd(X, PHI, GZ, FAC, GX, GPHI, HPRE, GO, GIN, N, M, K: tl.constexpr, D: tl.constexpr,
+                 NS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                 ROW_BLOCKS: tl.constexpr, PREC: tl.constexpr, HAS_PRE: tl.constexpr, HAS_IN: tl.constexpr):
     ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = ks < K
     cm = tl.arange(0, BLOCK_M)
@@ -77,9 +82,34 @@ def _project_bwd(X, PHI, GZ, FAC, GX, GPHI, N, M, K: tl.constexpr, BLOCK_N: tl.c
         gz = tl.load(GZ + rows[:, None] * M + cm[None, :], mask=r_ok[:, None] & m_ok[None, :], other=0.0)
         f = tl.load(FAC + rows, mask=r_ok, other=0.0)
         gx = tl.dot(gz, tl.trans(phi), input_precision=PREC) + f[:, None] * x
+        if HAS_PRE:  # the collapse's: column k = i D + d of row t gets pre[t, i] * grad_x_in[t, d]
+            si = ks // D
+            h = tl.load(HPRE + rows[:, None] * NS + si[None, :], mask=xk, other=0.0)
+            go = tl.load(GO + rows[:, None] * D + (ks - si * D)[None, :], mask=xk, other=0.0)
+            gx += h * go.to(tl.float32)
+        if HAS_IN:  # a gradient of x computed elsewhere (the expand's), summed here rather than by autograd
+            gx += tl.load(GIN + rows[:, None] * K + ks[None, :], mask=xk, other=0.0).to(tl.float32)
         tl.store(GX + rows[:, None] * K + ks[None, :], round_rne(gx, GX.dtype.element_ty), mask=xk)
         dphi = tl.dot(tl.trans(x), gz, dphi, input_precision=PREC)
     tl.atomic_add(GPHI + ks[:, None] * M + cm[None, :], dphi, mask=k_ok[:, None] & m_ok[None, :], sem="relaxed")
+
+
+@triton.jit
+def _pre_grad(X, GO, GH, N, D: tl.constexpr, NS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_S: tl.constexpr):
+    """GH[t, i] = sum_d GO[t, d] X[t, i D + d] in fp32: the collapse's coefficient gradient (x and GO read once)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = rows < N
+    cs = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_N, BLOCK_S], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        m = r_ok[:, None] & (ds < D)[None, :]
+        go = tl.load(GO + rows[:, None] * D + ds[None, :], mask=m, other=0.0).to(tl.float32)
+        for i in tl.static_range(NS):
+            x = tl.load(X + rows[:, None] * (NS * D) + i * D + ds[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += tl.where(cs[None, :] == i, tl.sum(x * go, 1)[:, None], 0.0)
+    tl.store(GH + rows[:, None] * NS + cs[None, :], acc, mask=r_ok[:, None] & (cs < NS)[None, :])
 
 
 def _prec(x: torch.Tensor) -> str:
@@ -105,8 +135,13 @@ def project_fwd(x: torch.Tensor, phi: torch.Tensor, eps: float) -> tuple[torch.T
     return mix, invr
 
 
-def project_bwd(x, phi, mix, invr, grad_mix) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad x like x, grad phi [K, M] fp32) of mix = project_fwd(x, phi)[0] for grad_mix [N, M]."""
+def project_bwd(x, phi, mix, invr, grad_mix, pre=None, grad_in=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad x like x, grad phi [K, M] fp32) of mix = project_fwd(x, phi)[0] for grad_mix [N, M].
+
+    pre = (h [N, n] fp32, grad_x_in [N, D]): x [N, n D] also fed the collapse x_in = sum_i h_i x_i, and its
+    gradient h_i grad_x_in is added; grad_in [N, n D]: another gradient of x, added too. Either way x's
+    gradient is summed in the kernel's fp32 registers and written once, where autograd would add whole
+    [N, n D] tensors (`liger._Enter`)."""
     N, K = x.shape
     M = phi.shape[1]
     g = grad_mix.float()
@@ -114,13 +149,43 @@ def project_bwd(x, phi, mix, invr, grad_mix) -> tuple[torch.Tensor, torch.Tensor
     fac = (-(g * mix).sum(1) * invr * invr / K).contiguous()
     gx = torch.empty_like(x)
     gphi = torch.zeros((K, M), dtype=torch.float32, device=x.device)
+    h, go = pre if pre is not None else (gz, gz)  # unread placeholders without `pre`
+    n = h.shape[1] if pre is not None else 1
+    if pre is not None:
+        h, go = h.float().contiguous(), go.contiguous()
+        if h.shape != (N, n) or K % n or go.shape != (N, K // n):
+            raise ValueError(f"project_bwd: pre = (h {tuple(h.shape)}, grad_x_in {tuple(go.shape)}) must be "
+                             f"[N, n] and [N, K / n] for x {tuple(x.shape)}.")
+    if grad_in is not None:
+        grad_in = grad_in.contiguous()
+        if grad_in.shape != x.shape:
+            raise ValueError(f"project_bwd: grad_in {tuple(grad_in.shape)} must be x's shape {tuple(x.shape)}.")
     if N:
         c = BWD
         grid = (triton.cdiv(K, c["BLOCK_K"]), triton.cdiv(N, c["BLOCK_N"] * c["ROW_BLOCKS"]))
-        _project_bwd[grid](x, phi, gz, fac, gx, gphi, N, M, K=K, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-                           BLOCK_M=_block_m(M), ROW_BLOCKS=c["ROW_BLOCKS"], PREC=_prec(x), num_warps=c["num_warps"],
-                           num_stages=c["num_stages"])
+        _project_bwd[grid](x, phi, gz, fac, gx, gphi, h, go, grad_in if grad_in is not None else x, N, M, K=K,
+                           D=K // n, NS=n, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], BLOCK_M=_block_m(M),
+                           ROW_BLOCKS=c["ROW_BLOCKS"], PREC=_prec(x), HAS_PRE=pre is not None,
+                           HAS_IN=grad_in is not None, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return gx, gphi
+
+
+PRE_GRAD = {"BLOCK_N": 32, "BLOCK_D": 128, "num_warps": 4}
+
+
+def pre_grad(x: torch.Tensor, grad_x_in: torch.Tensor, n: int) -> torch.Tensor:
+    """[N, n] fp32: sum_d grad_x_in[t, d] x[t, i D + d], the gradient of the collapse's coefficients h in
+    x_in = sum_i h_i x_i (x [N, n D] and grad_x_in [N, D], read once each)."""
+    N, K = x.shape
+    if K % n or grad_x_in.shape != (N, K // n):
+        raise ValueError(f"pre_grad: grad_x_in {tuple(grad_x_in.shape)} must be [N, K / n] for x {tuple(x.shape)}, n = {n}.")
+    gh = torch.empty((N, n), dtype=torch.float32, device=x.device)
+    if N:
+        c = PRE_GRAD
+        _pre_grad[(triton.cdiv(N, c["BLOCK_N"]),)](x.contiguous(), grad_x_in.contiguous(), gh, N, D=K // n, NS=n,
+                                                   BLOCK_N=c["BLOCK_N"], BLOCK_D=c["BLOCK_D"],
+                                                   BLOCK_S=triton.next_power_of_2(n), num_warps=c["num_warps"])
+    return gh
 
 
 class MHCProjectFn(torch.autograd.Function):
