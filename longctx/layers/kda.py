@@ -161,10 +161,17 @@ class KimiDeltaAttention(nn.Module):
 
     def gate_projections(self, x: torch.Tensor, heads: slice | None = None):
         """(f_a(x) [..., K], b(x) [..., H] (`heads`: those heads' logits), g_a(x) [..., K]): views of one
-        product."""
+        product. Its rows are padded with zero columns to a multiple of 8 values (K + K + H = 268 at
+        h200-ref becomes 272): the views f_a and g_a feed the next matmuls, whose row stride then stays a
+        multiple of 16 bytes, as cuBLAS's tensor-core kernels want."""
         b = self.b_proj.weight if heads is None else self.b_proj.weight[heads]
-        K = self.head_dim
-        return F.linear(x, torch.cat([self.f_a_proj.weight, b, self.g_a_proj.weight])).split([K, b.shape[0], K], -1)
+        K, h = self.head_dim, b.shape[0]
+        ws = [self.f_a_proj.weight, self.g_a_proj.weight, b]
+        pad = -(2 * K + h) % 8
+        if pad:
+            ws.append(b.new_zeros(pad, b.shape[1]))
+        f_a, g_a, logits, _ = F.linear(x, torch.cat(ws)).split([K, K, h, pad], -1)
+        return f_a, logits, g_a
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, state: KDAState | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:

@@ -174,12 +174,14 @@ def _fsdp_bytes(cfg: ModelConfig, cluster: Cluster) -> tuple[int, list[int]]:
     return c["root"] * cluster.param_bytes, [p - e + e // cluster.ep for p, e in c["blocks"]]
 
 
-def _stacked_weights(cfg: ModelConfig, kind: str, mlp: str) -> int:
+def _stacked_weights(cfg: ModelConfig, kind: str, mlp: str, padded: bool = False) -> int:
     """Parameters of one block that run as one matmul over weights stacked by rows (a new tensor each call,
     so autocast casts it per call instead of caching a copy): the KDA mixer's q, k, v, f_a, b and g_a
-    (layers/kda.py) and the dense MLP's or shared experts' gate and up (layers/mlp.py)."""
-    D = cfg.hidden_size
-    n = (3 * cfg.kda_heads * cfg.kda_head_dim + 2 * cfg.kda_head_dim + cfg.kda_heads) * D if kind == "K" else 0
+    (layers/kda.py) and the dense MLP's or shared experts' gate and up (layers/mlp.py). `padded`: with the
+    zero rows that pad the KDA gates' product to a multiple of 8 columns (the stacked tensors' size)."""
+    D, H, K = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim
+    gates = 2 * K + H + (-(2 * K + H) % 8 if padded else 0)
+    n = (3 * H * K + gates) * D if kind == "K" else 0
     if mlp == "d":
         n += 2 * cfg.intermediate_size * D
     else:
@@ -255,7 +257,7 @@ def _block_activation_bytes(cfg: ModelConfig, kind: str, mlp: str, S: int, plan:
         chunks = -(-S // plan.moe_chunk) if plan.moe_chunk else 1
         out["moe bf16 expert weights"] = chunks * (cfg.n_routed_experts // ep) * 3 * D * I * a
     # the stacked projections' weights (`_stacked_weights`), made each call and saved by their matmuls
-    out["stacked projection weights"] = _stacked_weights(cfg, kind, mlp) * a
+    out["stacked projection weights"] = _stacked_weights(cfg, kind, mlp, padded=True) * a
     return out
 
 
