@@ -236,6 +236,24 @@ class Router(nn.Module):
         return _Fp32Logits.apply(x, self.weight).sigmoid()
 
 
+class _GatherRows(torch.autograd.Function):
+    """x[token] for token = order // k: each of the t rows k times, in expert order. Backward sums each row's
+    k gradients, which sit at positions inv[t k .. t k + k - 1], with one embedding_bag: a gather and a sum in
+    one deterministic pass. Autograd's backward of the index would zero-fill x's gradient and accumulate
+    into it through index_put_, which on CUDA sorts the positions first."""
+
+    @staticmethod
+    def forward(ctx, x, token, inv, k):
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return x[token]
+
+    @staticmethod
+    def backward(ctx, g):
+        inv, = ctx.saved_tensors
+        return F.embedding_bag(inv.view(-1, ctx.k), g, mode="sum"), None, None, None
+
+
 class _WeightedCombine(torch.autograd.Function):
     """out[t] = sum_j w[t, j] * ys[row of (t, j)]: the experts' output rows (sorted by expert) put back
     in token order by a permutation gather and summed by a batched product. Backward keeps only ys (the
@@ -243,13 +261,20 @@ class _WeightedCombine(torch.autograd.Function):
     zeros.index_add_(0, token, ys * w), also keeps the [k x tokens, hidden] product (index_add_ saves
     its source): 12.3 KB per token and MoE layer at h200-ref, what the H200's allocation trace at the
     peak (`python bench/memory.py --peak S --peak-trace`) shows alive with it, 12.5 KB a token over the
-    estimate's count (`tests/layers/test_moe.py` counts both on the CPU). Unlike index_add_, no atomics."""
+    estimate's count (`tests/layers/test_moe.py` counts both on the CPU). Unlike index_add_, no atomics.
+    `base` [t, hidden] (the shared expert's output, or None) is added in the product's epilogue (baddbmm),
+    not by a separate add; its gradient is the output's."""
 
     @staticmethod
-    def forward(ctx, ys, w, order, inv):
+    def forward(ctx, ys, w, order, inv, base=None):
         (t, k), D = w.shape, ys.shape[-1]  # D named: a chunk with no tokens cannot infer it
-        out = torch.bmm(w.to(ys.dtype).unsqueeze(1), ys[inv].view(t, k, D)).squeeze(1)
+        rows, wt = ys[inv].view(t, k, D), w.to(ys.dtype).unsqueeze(1)
+        if base is None:
+            out = torch.bmm(wt, rows).squeeze(1)
+        else:
+            out = torch.baddbmm(base.to(ys.dtype).unsqueeze(1), wt, rows).squeeze(1)
         ctx.save_for_backward(ys, w, order, inv)
+        ctx.base_dtype = None if base is None else base.dtype
         return out
 
     @staticmethod
@@ -262,7 +287,8 @@ class _WeightedCombine(torch.autograd.Function):
             gys = (g.unsqueeze(1) * w.to(ys.dtype).unsqueeze(-1)).view(t * k, D)[order]
         if ctx.needs_input_grad[1]:
             gw = torch.bmm(ys[inv].view(t, k, D), g.unsqueeze(-1)).squeeze(-1).to(w.dtype)
-        return gys, gw, None, None
+        gbase = g.to(ctx.base_dtype) if ctx.base_dtype is not None and ctx.needs_input_grad[4] else None
+        return gys, gw, None, None, gbase
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -435,20 +461,22 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts)
         token = order // k
+        inv = torch.empty_like(order)  # position of (token t, its j-th expert) in expert order: t k + j -> p
+        inv[order] = torch.arange(order.numel(), device=order.device)
+        xs = _GatherRows.apply(x, token, inv, k)
         if self.expert_parallel is None:
-            ys = self.experts(x[token], counts, impl)
+            ys = self.experts(xs, counts, impl)
         else:  # the rows go to their experts' ranks and come back in the same order
-            ys = self.expert_parallel.run(self.experts, x[token], counts, impl)
+            ys = self.expert_parallel.run(self.experts, xs, counts, impl)
         cdtype = self.combine_dtype or x.dtype
+        shared = self.shared(x) if self.shared is not None else None
         if cdtype == ys.dtype:  # the memory plan's moe_bf16_combine (on): keeps only ys for backward
-            inv = torch.empty_like(order)
-            inv[order] = torch.arange(order.numel(), device=order.device)
-            out = _WeightedCombine.apply(ys, w, order, inv).to(x.dtype)
+            out = _WeightedCombine.apply(ys, w, order, inv, shared).to(x.dtype)
         else:  # fp32 combine (the switch off, a plain implementation): also keeps the fp32 products
             contrib = (ys * w.flatten()[order][:, None]).to(cdtype)
             out = torch.zeros(t, x.shape[-1], dtype=cdtype, device=x.device).index_add_(0, token, contrib).to(x.dtype)
-        if self.shared is not None:
-            out = out + self.shared(x)
+            if shared is not None:
+                out = out + shared
         prob_sum = (scores / scores.sum(-1, keepdim=True)).sum(0) if want_aux else None
         if keep is not None:
             keep.append({"scores": scores.detach(), "indices": idx, "weights": w.detach()})

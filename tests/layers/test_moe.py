@@ -183,6 +183,32 @@ def test_weighted_combine_matches_index_add_and_keeps_only_the_expert_outputs():
     assert e_ys.grad.shape == (0, D) and e_w.grad.shape == (0, k)
 
 
+def test_gathered_rows_and_shared_base_match_autograd():
+    """The experts' input rows x[token] (`_GatherRows`: each token's k gradients summed by one embedding_bag)
+    and the combine with the shared expert's output added in its product (`base`) against plain autograd
+    in fp64; a chunk with no tokens gives empty gradients."""
+    from longctx.layers.moe import _GatherRows, _WeightedCombine
+
+    g = torch.Generator().manual_seed(1)
+    t, k, D = 11, 3, 8
+    x = torch.randn(t, D, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(t, k, generator=g, dtype=torch.float64, requires_grad=True)
+    base = torch.randn(t, D, generator=g, dtype=torch.float64, requires_grad=True)
+    order = torch.randperm(t * k, generator=g)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(t * k)
+    dy = torch.randn(t, D, generator=g, dtype=torch.float64)
+    ours = _WeightedCombine.apply(_GatherRows.apply(x, order // k, inv, k).sin(), w, order, inv, base)
+    plain = _WeightedCombine.apply(x[order // k].sin(), w, order, inv) + base
+    torch.testing.assert_close(ours, plain, atol=1e-12, rtol=1e-12)
+    for a, b in zip(torch.autograd.grad(ours, (x, w, base), dy), torch.autograd.grad(plain, (x, w, base), dy)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    e_x = torch.zeros(0, D, dtype=torch.float64, requires_grad=True)
+    none = torch.zeros(0, dtype=torch.long)
+    _GatherRows.apply(e_x, none, none, k).sum().backward()
+    assert e_x.grad.shape == (0, D)
+
+
 def test_router_logits_save_input_dtype_and_match_autograd():
     moe = MoE(make_cfg(), 0)
     randomize(moe, 5)
