@@ -9,7 +9,10 @@ x, ctx = enter(streams); y = x * gain + noise (a stand-in sub-layer); out = exit
 backward of (out * dout).sum() into the streams, the noise and the parameters. Implementations:
   torch            kernels.mhc "torch", recompute_cast on (the memory plan's default)
   torch_keep_cast  kernels.mhc "torch", recompute_cast off (the fp32 copy saved)
-  liger            kernels.mhc "liger" (longctx.ops.mhc.liger; the coefficients' projection ours, for 4 streams)
+  liger            kernels.mhc "liger" (longctx.ops.mhc.liger; the coefficients' projection ours, for 4 streams;
+                   the enter as one Function that sums the streams' gradients in its kernel, `liger_mhc_enter`)
+  liger_separate   the same kernels with the enter as the separate coefficient and collapse Functions, the
+                   streams' three gradients added by autograd (what the fused enter replaces)
 Per case: median ms of fwd+bwd (CUDA events, after warm-up), the peak allocated above the inputs
 during one step, and liger's relative RMS difference from torch on out and d_streams.
 Writes DIR/mhc.json: the connection comparison under "connection", --project's under "projection",
@@ -59,13 +62,19 @@ def setup(cfg, S: int, device):
 
 
 def make_step(impl: str, mhc: MHC, streams, gain, noise, dout):
-    mhc.kernels["mhc"] = "liger" if impl == "liger" else "torch"
+    mhc.kernels["mhc"] = "liger" if impl.startswith("liger") else "torch"
     mhc.recompute_cast = impl != "torch_keep_cast"
+    fused = mhc_liger.fused_enter
 
     def step():
         streams.grad = noise.grad = None
         mhc.zero_grad(set_to_none=True)
-        x, ctx = mhc.enter(streams)
+        if impl == "liger_separate":
+            mhc_liger.fused_enter = lambda n, chunk: False
+        try:
+            x, ctx = mhc.enter(streams)
+        finally:
+            mhc_liger.fused_enter = fused
         out = mhc.exit(streams, ctx, x * gain + noise)
         out.backward(dout)
         return out.detach()
@@ -190,7 +199,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="64k tokens only, fewer reps")
     ap.add_argument("--tokens", default="65536,262144")
-    ap.add_argument("--impls", default="torch,torch_keep_cast,liger")
+    ap.add_argument("--impls", default="torch,torch_keep_cast,liger,liger_separate")
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--project", action="store_true", help="the coefficient projection alone: liger's kernels vs ours "
                     "(--tokens, default here 65536,131072)")
