@@ -5,7 +5,7 @@
 #   bash dev/run_h200.sh sparse indexer kda  # kernel benchmarks: bench/<name>.py --out $OUT
 #   bash dev/run_h200.sh step1m              # 8k warm-up, one 1M-token step, baseline's longest context, host memory
 # Parts: tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload rl installed profile peak host
-# switches variants sft, and kernels (= tests e2e kda) and extras (= offload switches). Results go to $OUT (the device
+# switches variants trees sft, and kernels (= tests e2e kda) and extras (= offload switches). Results go to $OUT (the device
 # tool's, else bench/out/h200); each benchmark writes its JSON there (bench/results/<name>.json is the
 # tracked copy the README's table reads: copy a run's JSON over it, then `python bench/make_table.py --write`).
 # Wheels (fla-core, liger-kernel) travel in .whl/ (../shared/gpu/fetch-wheels.sh fetches them).
@@ -151,6 +151,20 @@ host)
   timeout $(left 240) python bench/memory.py --out "$OUT" --parts host --host-seqlen 65536 > "$OUT/memory_host.log" 2>&1
   tail -3 "$OUT/memory_host.log"
   ;;
+trees)
+  # the all-on 128k step of this tree and of another commit's (its longctx/ and bench/ under bench/out/base,
+  # `git archive COMMIT longctx bench | tar x -C bench/out/base`, named in the call's carry), base first,
+  # TREES_ROUNDS times in turn (default 2): before and after on one machine
+  for r in $(seq ${TREES_ROUNDS:-2}); do
+    for t in base cur; do
+      s=bench/memory.py; [ $t = base ] && s=bench/out/base/bench/memory.py
+      echo "$(date +%T) tree $t round $r"
+      timeout $(left) python $s --out "$OUT/tree_${t}_$r" --parts runs --configs all_on --seqlens ${TREES_SEQLENS:-131072} \
+          > "$OUT/memory_tree_${t}_$r.log" 2>&1; tail -2 "$OUT/memory_tree_${t}_$r.log"
+      rm -f "$OUT/tree_${t}_$r/memory.png"
+    done
+  done
+  ;;
 switches)
   # the 128k and 256k steps with each switch off (SWITCH_SEQLENS, SWITCH_CONFIGS; SWITCH_ARGS for more
   # memory.py options, last on the line, e.g. "--plan seq_chunk=off offload=10 --long-reps 2")
@@ -177,6 +191,6 @@ variants)
     rm -f "$OUT/$d/memory.png"  # the device tool returns at most 8 files: keep the JSON
   done
   ;;
-*) echo "usage: dev/run_h200.sh PART... with PART in tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload rl profile peak host switches variants sft kernels extras"; exit 2 ;;
+*) echo "usage: dev/run_h200.sh PART... with PART in tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload rl profile peak host switches variants trees sft kernels extras"; exit 2 ;;
 esac
 done
