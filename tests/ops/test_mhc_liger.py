@@ -110,3 +110,15 @@ def test_launch_rows_for_h200_ref():
     """h200-ref's streams: 4 x 1536 = 6,144 elements a token: 349,525 tokens a launch (the 512k step needs two)."""
     assert mhc_liger.launch_rows(4 * 1536) == 349_525
     assert mhc_liger.launch_rows(4 * 1536) * 4 * 1536 <= 2**31 - 1 < (mhc_liger.launch_rows(4 * 1536) + 1) * 4 * 1536
+
+
+def test_enter_fuses_within_one_launch_and_with_chunked_stream_ops(monkeypatch):
+    """The coefficients and the collapse run as one Function (`liger._Enter`) only where every launch takes the
+    whole call and the stream ops go in chunks; otherwise the separate Functions (in pieces) run."""
+    streams = torch.zeros(2, 9, n, D)
+    assert mhc_liger._fused_here(streams, 16)
+    assert not mhc_liger._fused_here(streams, 0)  # memory.mhc_chunk = 0: liger's own Functions
+    monkeypatch.setattr(ops, "INT32_ELEMENTS", 4 * n * D)  # 4 tokens a launch
+    assert not mhc_liger._fused_here(streams, 16) and mhc_liger._fused_here(streams[:, :2], 16)
+    monkeypatch.setattr(mhc_liger, "PROJECT_MAX_STREAMS", 0)  # liger's projection: nothing to fuse into
+    assert not mhc_liger._fused_here(streams[:, :2], 16)
