@@ -178,9 +178,10 @@ def _fused_here(streams: torch.Tensor, chunk: int) -> bool:
 def liger_mhc_enter(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
                     iters: int, hc_eps: float, norm_eps: float, chunk: int):
     """(x_in [..., D], (post [..., n], comb [..., n, n], link)): the collapse of the streams and the exit's
-    coefficients, as `liger_mhc_pre(streams, pre)` after `liger_mhc_coefficients`. Where `fused_enter`, one
-    Function (`_Enter`) whose backward sums the gradients of the streams in one kernel, the exit's among
-    them when `liger_mhc_post_res` is handed the link; else those two functions and no link (None)."""
+    coefficients, as `liger_mhc_pre(streams, pre)` after `liger_mhc_coefficients`. Where `fused_enter` and
+    the call fits one launch (`_fused_here`), one Function (`_Enter`) whose backward sums the gradients of
+    the streams in one kernel, the exit's among them when `liger_mhc_post_res` is handed the link; else
+    those two functions and no link (None)."""
     n, D = streams.shape[-2:]
     if not _fused_here(streams, chunk):
         pre, post, comb = liger_mhc_coefficients(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
