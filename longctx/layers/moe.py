@@ -280,14 +280,17 @@ class _WeightedCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         ys, w, order, inv = ctx.saved_tensors
-        (t, k), D = w.shape, ys.shape[-1]
+        t, k = w.shape
         g = g.to(ys.dtype)
-        gys = gw = None
-        if ctx.needs_input_grad[0]:  # row (t, j) of ys gets w[t, j] * g[t]; back to expert order
-            gys = (g.unsqueeze(1) * w.to(ys.dtype).unsqueeze(-1)).view(t * k, D)[order]
-        if ctx.needs_input_grad[1]:
-            gw = torch.bmm(ys[inv].view(t, k, D), g.unsqueeze(-1)).squeeze(-1).to(w.dtype)
         gbase = g.to(ctx.base_dtype) if ctx.base_dtype is not None and ctx.needs_input_grad[4] else None
+        # in expert order, row p of ys is token order[p] // k's, weighted by w.flatten()[order[p]]: that
+        # token's gradient, gathered once, serves both products (one [t k, hidden] tensor, not three)
+        gt = g[order // k]
+        gys = gw = None
+        if ctx.needs_input_grad[1]:  # w[t, j]'s: ys' row (t, j) . g[t], back from expert order
+            gw = torch.bmm(ys.unsqueeze(1), gt.unsqueeze(-1)).view(-1)[inv].view(t, k).to(w.dtype)
+        if ctx.needs_input_grad[0]:  # row (t, j) of ys gets w[t, j] * g[t]
+            gys = gt.mul_(w.flatten()[order].to(ys.dtype).unsqueeze(-1))
         return gys, gw, None, None, gbase
 
 
