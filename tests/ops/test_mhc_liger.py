@@ -2,7 +2,9 @@
 they read and write outside their tensors). `longctx.ops.mhc.liger` hands every launch at most `launch_rows` tokens; here with
 liger replaced by plain-torch stand-ins that record how many tokens each call got (no liger, no GPU), and
 the limit lowered so that a few tokens already need several pieces: the same outputs and gradients as
-one call, and no call over the limit, for the coefficients and both stream ops, chunked and not."""
+one call, and no call over the limit, for the coefficients and both stream ops, chunked and not. With the
+same stand-ins (and torch ones for our projection's kernels), the fused enter's Link wiring: the exit's
+gradient of the streams reaches the enter's backward, and only for the streams the enter read."""
 
 from __future__ import annotations
 
@@ -122,3 +124,88 @@ def test_enter_fuses_within_one_launch_and_with_chunked_stream_ops(monkeypatch):
     assert not mhc_liger._fused_here(streams, 16) and mhc_liger._fused_here(streams[:, :2], 16)
     monkeypatch.setattr(mhc_liger, "PROJECT_MAX_STREAMS", 0)  # liger's projection: nothing to fuse into
     assert not mhc_liger._fused_here(streams[:, :2], 16)
+
+
+def _fake_enter_kernels(monkeypatch):
+    """Stand-ins for what `liger._Enter` and `_Coefficients` call besides the stream ops: liger's split and
+    Sinkhorn (a row softmax here, with its backward) and our projection kernels (torch, the collapse's and
+    another gradient of x summed in as the kernel does)."""
+    import liger_kernel.ops.mhc as lops  # the stand-in module `_fake_liger` installed
+
+    from longctx.ops.mhc import triton as tri
+
+    def split(mix, b, a_pre, a_post, a_res, *, tmax, pre_eps, sinkhorn_eps, post_mult, return_hist):
+        N = mix.shape[0]
+        pre = torch.sigmoid(mix[:, :n] * a_pre + b[:n]) + pre_eps
+        post = post_mult * torch.sigmoid(mix[:, n:2 * n] * a_post + b[n:2 * n])
+        comb = torch.softmax((mix[:, 2 * n:] * a_res + b[2 * n:]).view(N, n, n), -1)
+        return (pre, post, comb) + ((comb,) if return_hist else ())
+
+    def sinkhorn_bwd(mix, b, a_res, g_comb, *, tmax, sinkhorn_eps, hist):
+        c = hist
+        return c * (g_comb - (g_comb * c).sum(-1, keepdim=True))
+
+    def project_fwd(x2, phi, eps):
+        xf = x2.float()
+        invr = torch.rsqrt(xf.square().mean(-1) + eps)
+        return (xf * invr[:, None]) @ phi, invr
+
+    def project_bwd(x2, phi, mix, invr, gz, pre=None, grad_in=None):
+        xf, K = x2.float(), x2.shape[1]
+        g = gz.float()
+        gx = (g * invr[:, None]) @ phi.t() - ((g * mix).sum(1) * invr * invr / K)[:, None] * xf
+        if pre is not None:
+            h, go = pre
+            gx = gx + (h[:, :, None] * go.float()[:, None, :]).reshape(gx.shape)
+        if grad_in is not None:
+            gx = gx + grad_in.float()
+        return gx.to(x2.dtype), (xf * invr[:, None]).t() @ g
+
+    def pre_grad(x2, go, ns):
+        return (x2.float().view(x2.shape[0], ns, -1) * go.float()[:, None, :]).sum(-1)
+
+    monkeypatch.setattr(lops, "mhc_split_sinkhorn_fwd", split, raising=False)
+    monkeypatch.setattr(lops, "mhc_sinkhorn_bwd", sinkhorn_bwd, raising=False)
+    for name, f in (("project_fwd", project_fwd), ("project_bwd", project_bwd), ("pre_grad", pre_grad)):
+        monkeypatch.setattr(tri, name, f)
+
+
+@pytest.mark.parametrize("same_streams", [True, False])
+def test_fused_enter_hands_the_expand_gradient_through_its_link(monkeypatch, same_streams):
+    """The connection through `MHC` with the fused enter (`liger_mhc_enter`: the exit's gradient of the streams
+    handed over by a Link and added in the enter's backward) against the separate Functions summed by
+    autograd, fp64 streams through stand-in kernels (which, like liger's, compute in fp32): every output and
+    gradient within fp32 rounding. An exit on other streams than the enter read gets no link and returns its
+    gradient to autograd."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from longctx.config import preset
+    from longctx.layers.residual import MHC
+
+    _fake_liger(monkeypatch)
+    _fake_enter_kernels(monkeypatch)
+    monkeypatch.setattr(mhc_liger, "PROJECT_MAX_STREAMS", 8)  # our projection (stand-ins), so the enter fuses
+    torch.manual_seed(0)
+    mhc = MHC(dataclasses.replace(preset("tiny"), hc_streams=n, hidden_size=D)).double()
+    with torch.no_grad():
+        mhc.base.normal_(0.0, 0.5)
+    mhc.liger_chunk = 5
+    mhc.pick = lambda streams: "liger"
+    g = torch.Generator().manual_seed(1)
+    s0 = torch.randn(2, 9, n, D, generator=g, dtype=torch.float64)
+    w = torch.randn(D, D, generator=g, dtype=torch.float64) * D**-0.5
+    gout = torch.randn(2, 9, n, D, generator=g, dtype=torch.float64)
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(mhc_liger, "fused_enter", (lambda n_, c: c > 0) if fused else (lambda n_, c: False))
+        mhc.zero_grad(set_to_none=True)
+        s = s0.clone().requires_grad_(True)
+        t = s0.clone().requires_grad_(True) if not same_streams else s
+        x, ctx = mhc.enter(s)
+        assert (ctx[3] is not None) == fused
+        out = mhc.exit(t, ctx, torch.tanh(x @ w))
+        (out * gout).sum().backward()
+        runs[fused] = [x, out, s.grad, t.grad, mhc.fn.grad, mhc.base.grad, mhc.scale.grad]
+    for a, b in zip(runs[True], runs[False]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
