@@ -130,9 +130,9 @@ def _fake_enter_kernels(monkeypatch):
     """Stand-ins for what `liger._Enter` and `_Coefficients` call besides the stream ops: liger's split and
     Sinkhorn (a row softmax here, with its backward) and our projection kernels (torch, the collapse's and
     another gradient of x summed in as the kernel does)."""
-    import liger_kernel.ops.mhc as lops  # the stand-in module `_fake_liger` installed
-
     from longctx.ops.mhc import triton as tri
+
+    lops = sys.modules["liger_kernel.ops.mhc"]  # the stand-in module `_fake_liger` installed
 
     def split(mix, b, a_pre, a_post, a_res, *, tmax, pre_eps, sinkhorn_eps, post_mult, return_hist):
         N = mix.shape[0]
