@@ -82,6 +82,7 @@ FUSED_CASES = [  # name, rows N, n streams, D hidden, dtype
     ("fused_fp32_n4", 37, 4, 24, "float32"),
     ("fused_bf16_n4", 130, 4, 96, "bfloat16"),
     ("fused_fp32_n2_two_groups", 600, 2, 100, "float32"),  # a 64-column block spans both streams
+    ("fused_fp32_n4_aligned", 70, 4, 128, "float32"),  # D a multiple of the 64-column block: h200-ref's case
 ]
 
 
@@ -143,7 +144,7 @@ def _separate_enter(streams, fn, base, scale, *, iters, hc_eps, norm_eps, chunk)
     return mhc_liger.liger_mhc_pre(streams, pre, chunk=chunk), (post, comb, None)
 
 
-ENTER_CASES = [("enter_fp32_n4", 2, 45, 4, 96, "float32"), ("enter_bf16_n4", 2, 45, 4, 96, "bfloat16")]
+ENTER_CASES = [("enter_fp32_n4", 2, 45, 4, 96, "float32"), ("enter_bf16_n4", 2, 45, 4, 128, "bfloat16")]  # 128: aligned blocks
 
 
 def compare_coefficients(name, B, S, n, D):

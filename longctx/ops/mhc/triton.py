@@ -83,9 +83,14 @@ def _project_bwd(X, PHI, GZ, FAC, GX, GPHI, HPRE, GO, GIN, N, M, K: tl.constexpr
         f = tl.load(FAC + rows, mask=r_ok, other=0.0)
         gx = tl.dot(gz, tl.trans(phi), input_precision=PREC) + f[:, None] * x
         if HAS_PRE:  # the collapse's: column k = i D + d of row t gets pre[t, i] * grad_x_in[t, d]
-            si = ks // D
-            h = tl.load(HPRE + rows[:, None] * NS + si[None, :], mask=xk, other=0.0)
-            go = tl.load(GO + rows[:, None] * D + (ks - si * D)[None, :], mask=xk, other=0.0)
+            if D % BLOCK_K == 0:  # the block's columns lie in one stream: one coefficient a row
+                s0 = (tl.program_id(0) * BLOCK_K) // D
+                h = tl.load(HPRE + rows * NS + s0, mask=r_ok, other=0.0)[:, None]
+                go = tl.load(GO + rows[:, None] * D + (ks - s0 * D)[None, :], mask=xk, other=0.0)
+            else:
+                si = ks // D
+                h = tl.load(HPRE + rows[:, None] * NS + si[None, :], mask=xk, other=0.0)
+                go = tl.load(GO + rows[:, None] * D + (ks - si * D)[None, :], mask=xk, other=0.0)
             gx += h * go.to(tl.float32)
         if HAS_IN:  # a gradient of x computed elsewhere (the expand's), summed here rather than by autograd
             gx += tl.load(GIN + rows[:, None] * K + ks[None, :], mask=xk, other=0.0).to(tl.float32)
