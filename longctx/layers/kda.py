@@ -161,9 +161,9 @@ class KimiDeltaAttention(nn.Module):
 
     def gate_projections(self, x: torch.Tensor, heads: slice | None = None):
         """(f_a(x) [..., K], b(x) [..., H] (`heads`: those heads' logits), g_a(x) [..., K]): views of one
-        product. Its rows are padded with zero columns to a multiple of 8 values (K + K + H = 268 at
-        h200-ref becomes 272): the views f_a and g_a feed the next matmuls, whose row stride then stays a
-        multiple of 16 bytes, as cuBLAS's tensor-core kernels want."""
+        product. Zero rows in the stacked weight pad the product to a multiple of 8 columns (K + K + H =
+        268 at h200-ref becomes 272): the views f_a and g_a feed the next matmuls, whose row stride then
+        stays a multiple of 16 bytes, as cuBLAS's tensor-core kernels want."""
         b = self.b_proj.weight if heads is None else self.b_proj.weight[heads]
         K, h = self.head_dim, b.shape[0]
         ws = [self.f_a_proj.weight, self.g_a_proj.weight, b]
