@@ -70,7 +70,7 @@ def make_step(impl: str, mhc: MHC, streams, gain, noise, dout):
         streams.grad = noise.grad = None
         mhc.zero_grad(set_to_none=True)
         if impl == "liger_separate":
-            mhc_liger.fused_enter = lambda n, chunk: False
+            mhc_liger.fused_enter = lambda streams, chunk: False
         try:
             x, ctx = mhc.enter(streams)
         finally:

@@ -118,12 +118,12 @@ def test_enter_fuses_within_one_launch_and_with_chunked_stream_ops(monkeypatch):
     """The coefficients and the collapse run as one Function (`liger._Enter`) only where every launch takes the
     whole call and the stream ops go in chunks; otherwise the separate Functions (in pieces) run."""
     streams = torch.zeros(2, 9, n, D)
-    assert mhc_liger._fused_here(streams, 16)
-    assert not mhc_liger._fused_here(streams, 0)  # memory.mhc_chunk = 0: liger's own Functions
+    assert mhc_liger.fused_enter(streams, 16)
+    assert not mhc_liger.fused_enter(streams, 0)  # memory.mhc_chunk = 0: liger's own Functions
     monkeypatch.setattr(ops, "INT32_ELEMENTS", 4 * n * D)  # 4 tokens a launch
-    assert not mhc_liger._fused_here(streams, 16) and mhc_liger._fused_here(streams[:, :2], 16)
+    assert not mhc_liger.fused_enter(streams, 16) and mhc_liger.fused_enter(streams[:, :2], 16)
     monkeypatch.setattr(mhc_liger, "PROJECT_MAX_STREAMS", 0)  # liger's projection: nothing to fuse into
-    assert not mhc_liger._fused_here(streams[:, :2], 16)
+    assert not mhc_liger.fused_enter(streams[:, :2], 16)
 
 
 def _fake_enter_kernels(monkeypatch):
@@ -198,7 +198,7 @@ def test_fused_enter_hands_the_expand_gradient_through_its_link(monkeypatch, sam
     gout = torch.randn(2, 9, n, D, generator=g, dtype=torch.float64)
     runs = {}
     for fused in (True, False):
-        monkeypatch.setattr(mhc_liger, "fused_enter", (lambda n_, c: c > 0) if fused else (lambda n_, c: False))
+        monkeypatch.setattr(mhc_liger, "fused_enter", (lambda s_, c: c > 0) if fused else (lambda s_, c: False))
         mhc.zero_grad(set_to_none=True)
         s = s0.clone().requires_grad_(True)
         t = s0.clone().requires_grad_(True) if not same_streams else s

@@ -162,28 +162,24 @@ def liger_mhc_coefficients(streams: torch.Tensor, fn: torch.Tensor, base: torch.
     return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
 
 
-def fused_enter(n: int, chunk: int) -> bool:
+def fused_enter(streams: torch.Tensor, chunk: int) -> bool:
     """Whether `liger_mhc_enter` runs the coefficients and the collapse as one Function (`_Enter`): with our
-    projection (n <= PROJECT_MAX_STREAMS) and the stream ops in chunks (memory.mhc_chunk > 0)."""
-    return chunk > 0 and projection(n) == "triton"
-
-
-def _fused_here(streams: torch.Tensor, chunk: int) -> bool:
-    """`fused_enter`, for at most `launch_rows` tokens: liger's Sinkhorn kernels inside `_Enter` take the
-    whole call, as every liger launch here does at most that many (longer calls go in pieces, unfused)."""
+    projection (n <= PROJECT_MAX_STREAMS), the stream ops in chunks (memory.mhc_chunk > 0), and at most
+    `launch_rows` tokens, since liger's Sinkhorn kernels inside `_Enter` take the whole call, as every liger
+    launch here takes at most that many (longer calls go in pieces, unfused)."""
     n, D = streams.shape[-2:]
-    return fused_enter(n, chunk) and streams.numel() // (n * D) <= launch_rows(n * D)
+    return chunk > 0 and projection(n) == "triton" and streams.numel() // (n * D) <= launch_rows(n * D)
 
 
 def liger_mhc_enter(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
                     iters: int, hc_eps: float, norm_eps: float, chunk: int):
     """(x_in [..., D], (post [..., n], comb [..., n, n], link)): the collapse of the streams and the exit's
-    coefficients, as `liger_mhc_pre(streams, pre)` after `liger_mhc_coefficients`. Where `fused_enter` and
-    the call fits one launch (`_fused_here`), one Function (`_Enter`) whose backward sums the gradients of
+    coefficients, as `liger_mhc_pre(streams, pre)` after `liger_mhc_coefficients`. Where `fused_enter`, one
+    Function (`_Enter`) whose backward sums the gradients of
     the streams in one kernel, the exit's among them when `liger_mhc_post_res` is handed the link; else
     those two functions and no link (None)."""
     n, D = streams.shape[-2:]
-    if not _fused_here(streams, chunk):
+    if not fused_enter(streams, chunk):
         pre, post, comb = liger_mhc_coefficients(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
         return liger_mhc_pre(streams, pre, chunk=chunk), (post, comb, None)
     _require()

@@ -154,10 +154,10 @@ def project_bwd(x, phi, mix, invr, grad_mix, pre=None, grad_in=None) -> tuple[to
     fac = (-(g * mix).sum(1) * invr * invr / K).contiguous()
     gx = torch.empty_like(x)
     gphi = torch.zeros((K, M), dtype=torch.float32, device=x.device)
-    h, go = pre if pre is not None else (gz, gz)  # unread placeholders without `pre`
-    n = h.shape[1] if pre is not None else 1
+    n, h, go = 1, gz, gz  # unread placeholders without `pre`
     if pre is not None:
-        h, go = h.float().contiguous(), go.contiguous()
+        h, go = pre[0].float().contiguous(), pre[1].contiguous()
+        n = h.shape[1]
         if h.shape != (N, n) or K % n or go.shape != (N, K // n):
             raise ValueError(f"project_bwd: pre = (h {tuple(h.shape)}, grad_x_in {tuple(go.shape)}) must be "
                              f"[N, n] and [N, K / n] for x {tuple(x.shape)}.")
