@@ -15,7 +15,7 @@ set -u
 # The GPU test files, run by the `tests` part in this order (GPU_TESTS="FILE ..." to pick; a bare name
 # such as `mhc` means tests/ops/test_mhc_gpu.py); E2E_TEST is the `e2e` part's, left out of `tests` (~250 s).
 GPU_TEST_FILES="tests/ops/test_loss_gpu.py tests/ops/test_indexer_gpu.py tests/ops/test_kda_gpu.py tests/ops/test_mhc_gpu.py
-  tests/ops/test_mhc_projection_gpu.py tests/ops/test_rms_norm_gpu.py tests/ops/test_swiglu_gpu.py tests/memory/test_sequence_chunks_gpu.py
+  tests/ops/test_mhc_projection_gpu.py tests/ops/test_rms_norm_gpu.py tests/ops/test_swiglu_gpu.py tests/ops/test_router_gpu.py tests/memory/test_sequence_chunks_gpu.py
   tests/ops/test_sparse_attention_gpu.py tests/ops/test_sparse_attention_flashmla_gpu.py tests/test_step_drift_gpu.py tests/ops/test_int32_gpu.py tests/memory/test_host_buffers_gpu.py
   tests/test_hf_fp32_gpu.py"
 E2E_TEST=tests/test_end_to_end_gpu.py

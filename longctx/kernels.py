@@ -19,7 +19,7 @@ import contextlib
 import torch
 
 from .config.kernels import OPS, KernelConfig
-from .ops import indexer, kda, loss, mhc, pick, rms_norm, sparse_attention, swiglu
+from .ops import indexer, kda, loss, mhc, pick, rms_norm, router, sparse_attention, swiglu
 
 __all__ = ["apply_kernels", "ops_of", "plain_torch", "planned"]
 
@@ -28,13 +28,14 @@ _UNAVAILABLE = {
     "kda": kda.unavailable, "kda_conv": kda.conv_unavailable, "kda_norm": kda.norm_unavailable,
     "sparse_attention": sparse_attention.unavailable, "indexer": indexer.unavailable, "loss": loss.unavailable,
     "mhc": mhc.unavailable, "rms_norm": rms_norm.unavailable, "swiglu": swiglu.unavailable,
+    "router": router.unavailable,
 }
 
 
 def ops_of(cfg) -> list[str]:
     """The kernels.<op> a model of `cfg` (a ModelConfig) runs, in KernelConfig's order: KDA's three with K
     layers, the sparse attention with D layers and the indexer where one of them runs its own, mHC with
-    mHC residuals; the loss, the RMSNorms and the SwiGLUs always."""
+    mHC residuals, the router with MoE layers; the loss, the RMSNorms and the SwiGLUs always."""
     kinds, idx = cfg.layer_kinds(), cfg.indexer_kinds()
     used = {"loss", "rms_norm", "swiglu"}
     if "K" in kinds:
@@ -45,6 +46,8 @@ def ops_of(cfg) -> list[str]:
             used.add("indexer")
     if cfg.residual == "mhc":
         used.add("mhc")
+    if "m" in cfg.mlp_kinds():
+        used.add("router")
     return [op for op in OPS if op in used]
 
 

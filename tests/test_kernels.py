@@ -70,14 +70,14 @@ def test_apply_kernels_reaches_every_module_and_says_what_runs():
     model(ids, labels=ids)
     report = model.impl_report()
     for name in ("kda:torch-chunk", "dsa:torch-sparse", "indexer:torch-chunked", "loss:torch-chunked", "mhc:torch",
-                 "norm:torch", "swiglu:torch"):
+                 "norm:torch", "swiglu:torch", "router:torch"):
         assert name in report, report
 
 
 def test_apply_kernels_refuses_what_cannot_run_before_any_step(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model = LongCtxModel(preset("tiny"))
-    for op, impl in (("kda", "fla"), ("loss", "liger"), ("sparse_attention", "triton")):
+    for op, impl in (("kda", "fla"), ("loss", "liger"), ("sparse_attention", "triton"), ("router", "bf16x3")):
         with pytest.raises(ConfigError, match=rf"kernels.{op} = '{impl}' cannot run here .*CUDA.*set kernels.{op} to "
                                               "'auto' or 'torch'"):
             apply_kernels(model, KernelConfig(**{op: impl}))
@@ -123,9 +123,11 @@ def test_planned_follows_the_device_the_model_and_the_plan():
             planned(KernelConfig(kda="fla"), "cuda", ref.replace(kda_chunk_size=16))
         assert planned(KernelConfig(), "cuda", ref.replace(hc_streams=3))["mhc"] == "torch"
     plain = ref.replace(residual="plain", layer_pattern="K")
-    assert ops_of(plain) == ["kda", "kda_conv", "kda_norm", "loss", "rms_norm", "swiglu"]
+    assert ops_of(plain) == ["kda", "kda_conv", "kda_norm", "loss", "rms_norm", "swiglu", "router"]
+    assert "router" not in ops_of(plain.replace(mlp_pattern="d"))
     assert list(planned(KernelConfig(), "cpu", plain)) == ops_of(plain)
     import types
 
-    shared = types.SimpleNamespace(layer_kinds=lambda: "KDKD", indexer_kinds=lambda: "ssss", residual="mhc")
+    shared = types.SimpleNamespace(layer_kinds=lambda: "KDKD", indexer_kinds=lambda: "ssss", residual="mhc",
+                                   mlp_kinds=lambda: "dddd")
     assert "indexer" not in ops_of(shared) and "sparse_attention" in ops_of(shared)  # the D layers' share

@@ -7,7 +7,7 @@ implementations:
              (on CUDA with a warning naming the setting); the default;
   "torch"    the plain-torch twin (what the CPU runs, and the GPU tests' fp32 reference);
   a backend  the fast path ("triton": ours, "fla": fla-core's, "liger": liger-kernel's, "flashmla":
-             sgl-flash-mla's); a run where it cannot run stops at the start with a ConfigError naming the
+             sgl-flash-mla's, "bf16x3": torch's cuBLAS matmuls on split weights); a run where it cannot run stops at the start with a ConfigError naming the
              setting.
 
 `longctx.kernels.apply_kernels` sets them on a model and `longctx.kernels.planned` says, without running,
@@ -20,11 +20,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ConfigError, did_you_mean
-from ..ops import indexer, kda, loss, mhc, rms_norm, sparse_attention, swiglu
+from ..ops import indexer, kda, loss, mhc, rms_norm, router, sparse_attention, swiglu
 
 # kernels.<field> -> the op package that defines its values (IMPLS)
 OPS = {"kda": kda, "kda_conv": kda, "kda_norm": kda, "sparse_attention": sparse_attention, "indexer": indexer,
-       "loss": loss, "mhc": mhc, "rms_norm": rms_norm, "swiglu": swiglu}
+       "loss": loss, "mhc": mhc, "rms_norm": rms_norm, "swiglu": swiglu, "router": router}
 
 # The flat TrainConfig fields these replace, and what to set instead.
 _REPLACED = {
@@ -52,6 +52,7 @@ class KernelConfig:
     mhc: str = "auto"               # the mHC residuals: liger's ops, our projection up to 8 streams ("liger")
     rms_norm: str = "auto"          # every RMSNorm: ours ("triton")
     swiglu: str = "auto"            # the MLPs' and experts' clamped SwiGLU: ours ("triton")
+    router: str = "auto"            # the MoE router's fp32 logits from bf16 tokens: split-weight bf16 matmuls ("bf16x3")
 
     @classmethod
     def every(cls, impl: str) -> "KernelConfig":

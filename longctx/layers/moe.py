@@ -1,7 +1,8 @@
 """Mixture of experts: sigmoid router with a selection bias, routed clamped-SwiGLU experts, a shared
 expert, and the load balancers (quantile, sign-step, auxiliary loss, none).
 
-Same function as GLM-5.3-Flash's MoE at inference: scores = sigmoid(x W^T) in fp32; experts are
+Same function as GLM-5.3-Flash's MoE at inference: scores = sigmoid(x W^T) in fp32 (the logits by
+`longctx.ops.router`, the setting kernels.router); experts are
 *chosen* by scores + bias (group-limited when n_group > 1) but *weighted* by the unbiased scores,
 normalised over the chosen k and scaled by routed_scaling_factor; plus a shared dense expert.
 
@@ -41,6 +42,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from ..ops import router as router_ops
 from ..ops import swiglu as swiglu_ops
 from .mlp import DenseMLP
 
@@ -193,27 +195,6 @@ def _in_backward() -> bool:
 
 
 # ----------------------------------------------------------------------------- modules
-class _Fp32Logits(torch.autograd.Function):
-    """x.float() @ W^T that saves x in its own dtype: plain autograd would keep the fp32 copy of x
-    (4 bytes x hidden per token, 16 GiB per layer at 1M tokens) for the weight gradient; here the
-    cast is redone in backward instead (the 1M-token GLM-5.3-Flash training report's "no fp32
-    copies")."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        with torch.autocast(x.device.type, enabled=False):  # autocast would redo it in bf16
-            return F.linear(x.float(), weight.float())
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        g = g.float()
-        gx = (g @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
-        gw = (g.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return gx, gw
-
-
 class Router(nn.Module):
     """fp32 router weight [E, hidden] and the fp32 selection bias [E] (a persistent buffer, moved
     only by the balancer, never by the optimizer). Both stay fp32 through `model.to(bf16)`, as HF
@@ -223,6 +204,8 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_experts, hidden, dtype=torch.float32))
         self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
+        self.kernels = {"router": "auto"}  # set by longctx.kernels.apply_kernels
+        self.last_impl: str | None = None  # which ran (the step log's implementation report)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -233,7 +216,9 @@ class Router(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Fp32Logits.apply(x, self.weight).sigmoid()
+        impl = router_ops.pick(self.kernels["router"], x, self.weight)
+        self.last_impl = f"router:{impl}"
+        return router_ops.router_logits(x, self.weight, impl).sigmoid()
 
 
 class _GatherRows(torch.autograd.Function):

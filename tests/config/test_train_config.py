@@ -147,7 +147,7 @@ def test_trainer_applies_kernel_settings(tmp_path):
 
 @pytest.mark.parametrize("op,impl", [("loss", "liger"), ("mhc", "liger"), ("kda", "fla"), ("kda_conv", "fla"),
                                      ("kda_norm", "fla"), ("rms_norm", "triton"), ("swiglu", "triton"),
-                                     ("sparse_attention", "triton"), ("indexer", "triton")])
+                                     ("sparse_attention", "triton"), ("indexer", "triton"), ("router", "bf16x3")])
 def test_a_fast_path_on_the_cpu_is_a_clean_config_error(tmp_path, monkeypatch, op, impl):
     """Every op's fast backend asked for on the CPU stops the run before its first step, with one sentence
     naming the setting and the fix."""
