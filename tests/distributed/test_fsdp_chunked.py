@@ -1,5 +1,6 @@
 """The sequence-chunked step under FSDP2 data parallelism (and expert parallelism), in 2 and 4 gloo
-processes against one process (fp32, relative <= 1e-5): the loss (summed shares), every parameter
+processes against one process (fp32, relative <= 1e-5, or twice the one process's own order noise where that is
+larger: fsdp_util.order_noise): the loss (summed shares), every parameter
 gradient and the parameters after one clipped AdamW step; the reduce-scatters run once per step,
 not once per chunk.
 
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 import launch
-from fsdp_util import B, CountedCollectives, batch, build, one_process_step, optimizer, rank_rows, step_errors, tiny_config
+from fsdp_util import (B, CountedCollectives, batch, build, errors_above, one_process_step, optimizer, order_noise, rank_rows,
+                       step_errors, tiny_config)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-5
@@ -73,9 +75,12 @@ def check_chunked(rank: int, world: int, kl: bool, ep: int, want: dict) -> dict:
 @pytest.mark.parametrize("world, kl, ep", [(2, False, 1), (2, True, 1), (4, False, 2)],
                          ids=["dp2", "dp2-indexer-kl", "dp4-ep2"])
 def test_chunked_step_matches_one_process(world, kl, ep):
+    """Every error within TOL, or within twice what regrouping the one process's own sums moves it by
+    (fsdp_util.order_noise)."""
     want = reference(kl, world)
+    noise = order_noise(want, reference(kl, 1))
     for rank, res in enumerate(launch.run(check_chunked, world, kl, ep, want)):
-        bad = {k: v for k, v in res["errs"].items() if not v <= TOL}
-        assert not bad, f"rank {rank} of {world} (ep {ep}, kl {kl}): relative errors above {TOL}: {bad}"
+        bad = errors_above(res["errs"], TOL, noise)
+        assert not bad, f"rank {rank} of {world} (ep {ep}, kl {kl}): relative errors above {TOL} (or 2x the order noise): {bad}"
         # 3 chunks, gradients reduced once: at most one reduce-scatter per unit (not 3 per unit)
         assert 0 < res["reduce_scatters"] <= res["units"], res
