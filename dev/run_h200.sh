@@ -4,7 +4,7 @@
 #   bash dev/run_h200.sh tests e2e           # the GPU test files below, then the 128k end-to-end check
 #   bash dev/run_h200.sh sparse indexer kda  # kernel benchmarks: bench/<name>.py --out $OUT
 #   bash dev/run_h200.sh step1m              # 8k warm-up, one 1M-token step, baseline's longest context, host memory
-# Parts: tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload rl installed profile peak host
+# Parts: tests e2e sparse indexer kda mhc mhc_enter router fused_loss hostbuf fp32_parity memory step1m offload rl installed profile peak host
 # switches variants trees sft, and kernels (= tests e2e kda) and extras (= offload switches). Results go to $OUT (the device
 # tool's, else bench/out/h200); each benchmark writes its JSON there (bench/results/<name>.json is the
 # tracked copy the README's table reads: copy a run's JSON over it, then `python bench/make_table.py --write`).
@@ -81,6 +81,15 @@ mhc)
   # the mHC connection (torch vs liger), then its coefficient projection (liger's kernels vs ours): one mhc.json
   timeout $(left) python bench/mhc.py --out "$OUT" > "$OUT/mhc.log" 2>&1
   timeout $(left) python bench/mhc.py --out "$OUT" --project >> "$OUT/mhc.log" 2>&1; tail -5 "$OUT/mhc.log"
+  ;;
+mhc_enter)
+  # the fused entering connection against the separate Functions at 128k (bench/mhc.py --impls)
+  timeout $(left 240) python bench/mhc.py --out "$OUT" --tokens 131072 --impls liger,liger_separate > "$OUT/mhc_enter.log" 2>&1
+  tail -5 "$OUT/mhc_enter.log"
+  ;;
+router)
+  # the MoE router's logits: the fp32 twin against the split-weight bf16 matmuls (bench/router.py)
+  timeout $(left 120) python bench/router.py --out "$OUT" > "$OUT/router.log" 2>&1; tail -3 "$OUT/router.log"
   ;;
 fused_loss)
   timeout $(left) python bench/fused_loss.py --out "$OUT" --modes amp > "$OUT/fused_loss.log" 2>&1; tail -5 "$OUT/fused_loss.log"
