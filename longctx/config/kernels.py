@@ -7,8 +7,8 @@ implementations:
              (on CUDA with a warning naming the setting); the default;
   "torch"    the plain-torch twin (what the CPU runs, and the GPU tests' fp32 reference);
   a backend  the fast path ("triton": ours, "fla": fla-core's, "liger": liger-kernel's, "flashmla":
-             sgl-flash-mla's, "bf16x3": torch's cuBLAS matmuls on split weights); a run where it cannot run stops at the start with a ConfigError naming the
-             setting.
+             sgl-flash-mla's, "bf16x3": torch's cuBLAS matmuls on split weights); a run where it cannot
+             run stops at the start with a ConfigError naming the setting.
 
 `longctx.kernels.apply_kernels` sets them on a model and `longctx.kernels.planned` says, without running,
 what each will run on a device.

@@ -87,7 +87,7 @@ def order_noise(want: dict, one: dict) -> dict:
     """How far each gradient of the one-process reference `want` moves when the same batch is summed in
     one piece (`one`, the same step run with pieces=1): the fp32 order sensitivity of that sum. mHC's
     residual scales at the initial point (identical streams) are sums with heavy cancellation that move
-    by 1e-5..2e-5 of their size this way alone, by the CPU's BLAS; everything else by ~1e-6."""
+    by 1e-5..2e-5 of their size this way alone, depending on the CPU's BLAS; the rest by less than 1e-5."""
     from cp_util import rel
 
     noise = {f"grad {k}": rel(one["grads"][k], g) for k, g in want["grads"].items()}

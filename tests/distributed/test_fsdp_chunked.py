@@ -1,8 +1,7 @@
 """The sequence-chunked step under FSDP2 data parallelism (and expert parallelism), in 2 and 4 gloo
-processes against one process (fp32, relative <= 1e-5, or twice the one process's own order noise where that is
-larger: fsdp_util.order_noise): the loss (summed shares), every parameter
-gradient and the parameters after one clipped AdamW step; the reduce-scatters run once per step,
-not once per chunk.
+processes against one process (fp32, relative <= 1e-5, or twice the one process's own order noise
+where that is larger: fsdp_util.order_noise): the loss (summed shares), every parameter gradient and
+the parameters after one clipped AdamW step; the reduce-scatters run once per step, not once per chunk.
 
 The one process runs the same chunked step over the ranks' rows one piece after another, each
 piece's loss divided by the label count of the whole batch (the grouping of sums the ranks follow;
@@ -81,6 +80,7 @@ def test_chunked_step_matches_one_process(world, kl, ep):
     noise = order_noise(want, reference(kl, 1))
     for rank, res in enumerate(launch.run(check_chunked, world, kl, ep, want)):
         bad = errors_above(res["errs"], TOL, noise)
-        assert not bad, f"rank {rank} of {world} (ep {ep}, kl {kl}): relative errors above {TOL} (or 2x the order noise): {bad}"
+        assert not bad, (f"rank {rank} of {world} (ep {ep}, kl {kl}): relative errors above {TOL} "
+                         f"(or 2x the order noise): {bad}")
         # 3 chunks, gradients reduced once: at most one reduce-scatter per unit (not 3 per unit)
         assert 0 < res["reduce_scatters"] <= res["units"], res

@@ -70,7 +70,7 @@ def test_bf16x3_takes_leading_dims_and_no_tokens():
     assert y.shape == (0, 8) and gx.shape == (0, 64) and torch.equal(gw, torch.zeros_like(gw))
 
 
-def test_the_setting_picks_by_device_and_dtype(monkeypatch):
+def test_the_setting_picks_by_device_and_dtype():
     x, w = torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(4, 8)
     assert pick("auto", x, w) == "torch" and pick("torch", x, w) == "torch"  # the CPU runs the twin, quietly
     with pytest.raises(ConfigError, match=r"kernels.router = 'bf16x3' cannot run here \(it runs on CUDA"):

@@ -3,7 +3,7 @@ split-weight bf16 matmuls (`bf16x3.py`, the same product on the tensor cores wit
 
 from __future__ import annotations
 
-from .. import lazy_attr
+from .. import fast_path_problem, lazy_attr
 from .. import pick as _pick
 
 IMPLS = ("auto", "torch", "bf16x3")
@@ -18,13 +18,8 @@ def __getattr__(name: str):
 
 def unavailable(device, cfg=None) -> str | None:
     """Why the bf16x3 path cannot run on `device`, or None: it needs cuBLAS's bf16 matmul with fp32 output
-    (`torch.mm(..., out_dtype=torch.float32)`, CUDA only)."""
-    import torch
-
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return f"it runs on CUDA tensors, and these are on {dev.type}"
-    return None
+    (`torch.mm(..., out_dtype=torch.float32)`, CUDA only), and nothing beyond torch."""
+    return fast_path_problem(device, lambda: None, "torch")
 
 
 def rejects(x, weight) -> str | None:
