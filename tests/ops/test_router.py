@@ -61,6 +61,23 @@ def test_bf16x3_is_the_fp32_product(t, hidden, E):
     assert (gx.float() != gx_t.float()).float().mean() < 0.02  # equal but for a few ties in the rounding
 
 
+@pytest.mark.parametrize("t", [300, 64, 5])
+def test_the_weight_gradient_sums_token_pieces(t, monkeypatch):
+    """W's gradient in pieces of TOKEN_CHUNK tokens (full pieces batched, a ragged tail apart, or the tail
+    alone) is the whole sum: pieces of 16 tokens against one piece, and against fp64."""
+    import longctx.ops.router.bf16x3 as b
+
+    x, w, dy = _case(t, 96, 8)
+    gw_whole = _run(x, w, dy, "bf16x3")[2]
+    monkeypatch.setattr(b, "TOKEN_CHUNK", 16)
+    gw = _run(x, w, dy, "bf16x3")[2]
+    ref = dy.double().t() @ x.double()
+    assert _rel(gw, ref) < 1e-6 and _rel(gw, gw_whole) < 1e-6, (_rel(gw, ref), _rel(gw_whole, ref))
+    monkeypatch.setattr(b, "_bmm", lambda a, c: torch.zeros(a.shape[0], a.shape[1], c.shape[2]))
+    if t >= 16:  # the batched pieces count: without them the sum is the tail's alone
+        assert _rel(_run(x, w, dy, "bf16x3")[2], ref) > 0.1
+
+
 def test_bf16x3_takes_leading_dims_and_no_tokens():
     x, w, dy = _case(12, 64, 8)
     y, gx, gw = _run(x.view(3, 4, 64), w, dy.view(3, 4, 8), "bf16x3")

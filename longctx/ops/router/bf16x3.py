@@ -10,11 +10,17 @@ Here the fp32 weight is split into three bf16 pieces, W = W1 + W2 + W3 exactly (
 next 8 bits of fp32's 24-bit significand; `split3`), and the product runs on the tensor cores as one bf16
 matmul with fp32 output (`torch.mm(..., out_dtype=torch.float32)`: cuBLAS, fp32 accumulation) against
 the stacked [3E, hidden] pieces, the three column blocks summed smallest first. A product of two bf16
-values is exact in fp32, so the logits differ from the fp32 matmul's by the order of the fp32 sums only.
+values is exact in fp32, so the pieces lose nothing; what differs from an fp32 matmul is the accumulation.
+cuBLAS's bf16 matmuls accumulate less exactly than its fp32 ones on the H100 (measured by
+tests/ops/test_router_gpu.py against fp64: logits 1.6e-6 relative at hidden 1536 and 4.4e-6 at 4096, where
+the fp32 matmul gives 7e-7; a weight gradient summed over 131,072 tokens in one matmul 1.3e-5), so sums
+over many tokens run in pieces of `TOKEN_CHUNK` with fp32 adds between them. Against bf16 logits' ~4e-3
+this is still fp32-class: the experts chosen are the twin's but for near ties.
 
-Backward: dW = g^T x with g split the same way (three bf16 pieces of [t, E], one matmul, fp32 output);
-dx = g W straight into bf16 as g1 W1 + g1 W2 + g2 W1, one matmul over K = 3E: the terms left out are
-~2^-16 of the result, under dx's own bf16 rounding (2^-9). x is read once in each matmul, in bf16.
+Backward: dW = g^T x with g split the same way (three bf16 pieces of [t, E]; one batched matmul over
+pieces of `TOKEN_CHUNK` tokens, fp32 output, the pieces summed in fp32); dx = g W straight into bf16 as
+g1 W1 + g1 W2 + g2 W1, one matmul over K = 3E: the terms left out are ~2^-16 of the result, under dx's own
+bf16 rounding (2^-9). x is read once in each matmul, in bf16.
 
 On the CPU (the tests) the bf16 matmuls with fp32 output run as fp32 matmuls of the same bf16 values:
 the same products, exact either way, summed in fp32; `kernels.router` itself takes this path on CUDA only.
@@ -23,6 +29,10 @@ the same products, exact either way, summed in fp32; `kernels.router` itself tak
 from __future__ import annotations
 
 import torch
+
+# tokens summed inside one bf16 matmul for the weight's gradient; the pieces' [3E, hidden] fp32 sums
+# (18 MB at 128k tokens for h200-ref) are added in fp32
+TOKEN_CHUNK = 4096
 
 
 def split3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -39,6 +49,28 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=out_dtype) if out_dtype != a.dtype else torch.mm(a, b)
     return (a.float() @ b.float()).to(out_dtype)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched a @ b of bf16 matrices with fp32 accumulation and fp32 output."""
+    if a.is_cuda:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _weight_grad(gs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """gs^T x in fp32 for bf16 gs [t, n] and x [t, H], summed over t in pieces of TOKEN_CHUNK tokens
+    (one batched matmul, the strided views passed as they are) and the pieces added in fp32."""
+    t = x.shape[0]
+    full = t - t % TOKEN_CHUNK
+    out = None
+    if full:
+        a = gs[:full].view(full // TOKEN_CHUNK, TOKEN_CHUNK, -1).transpose(1, 2)
+        out = _bmm(a, x[:full].reshape(full // TOKEN_CHUNK, TOKEN_CHUNK, -1)).sum(0)
+    if full < t or out is None:
+        tail = _mm(gs[full:].t(), x[full:], torch.float32)
+        out = tail if out is None else out + tail
+    return out
 
 
 def _sum3(y: torch.Tensor) -> torch.Tensor:
@@ -67,7 +99,7 @@ class Bf16x3Logits(torch.autograd.Function):
                 w1, w2, _ = split3(weight)
                 gx = _mm(torch.cat([g1, g1, g2], 1), torch.cat([w1, w2, w1]), x.dtype).view(x.shape)
             if ctx.needs_input_grad[1]:
-                gw3 = _mm(torch.cat([g1, g2, g3], 1).t(), x.reshape(-1, H), torch.float32).view(3, E, H)
+                gw3 = _weight_grad(torch.cat([g1, g2, g3], 1), x.reshape(-1, H)).view(3, E, H)
                 gw = _sum3(gw3.unbind(0))
         return gx, gw
 
