@@ -75,8 +75,11 @@ def tokens(S: int) -> str:
     return f"{S // (1024 * K)}M" if S >= 1024 * K and S % (1024 * K) == 0 else f"{S // K}k"
 
 
-def row(target, measured, verdict, p, command) -> dict:
+def row(target, measured, verdict, p, command, gpu: str | None = None) -> dict:
+    """One row; `gpu`, the run's card, is named in the measured cell where it is not the H200."""
     commit = (p.get("commit") or "?")[:7] + (DAGGER if p.get("commit_note") else "")
+    if gpu and "H200" not in gpu:
+        measured += f" (on an {gpu.removeprefix('NVIDIA ')})"
     return {"target": target, "measured": measured, "verdict": verdict, "date": (p.get("date") or "?")[:10],
             "commit": commit, "command": command}
 
@@ -116,7 +119,7 @@ def indexer_rows() -> list[dict]:
                    if "two_phase_topk" in c else "")
                 + ")" + (f"; 1M: {m['two_phase']['x_floor']:.1f}x, {m['two_phase']['ms'] / 1e3:.2f} s against "
                          f"{m['two_phase_topk']['ms'] / 1e3:.2f}" if m and "two_phase_topk" in m else ""),
-                verdict(tp["x_floor"] <= 4), prov(d), rerun(d["command"]))]
+                verdict(tp["x_floor"] <= 4), prov(d), rerun(d["command"]), d["gpu"])]
 
 
 def memory_rows() -> list[dict]:
@@ -262,7 +265,7 @@ def table() -> str:
     for r in rows:
         cells = [r["target"], r["measured"], r["verdict"], r["date"], f"`{r['commit']}`", f"`{r['command']}`"]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    note = (f"On one {', '.join(gpus)}, except where a row says CPU. Rows without a verdict have no target: they are the comparisons behind "
+    note = (f"On one {', '.join(gpus)}, except where a row says CPU or names its card. Rows without a verdict have no target: they are the comparisons behind "
             f"the defaults. {DAGGER}: the commit that added the result; the run predates recorded commits.")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
