@@ -47,7 +47,7 @@ import triton
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from timing import env_record, timed, write_results  # bench/ is on sys.path when run as a script
+from timing import env_record, kernel_times, timed, write_results  # bench/ is on sys.path when run as a script
 
 from longctx.ops.indexer import kpool_scores_torch, kpool_topk_torch
 from longctx.ops.indexer.triton import (
@@ -274,11 +274,7 @@ def gpu_time(fn, out, S, H, D, reps) -> dict:
         del graph, g_out
     except RuntimeError as e:  # recorded, so that the eager figures of the run still come back
         res = {"graph_error": str(e).split("\n")[0][:200]}
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = {e.key.split("(")[0][:48]: round(e.device_time_total / 1e3, 3) for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0}
+    kernels = kernel_times(fn)
     return {**res, "kernels_ms": sum(kernels.values()), "kernels_x_floor": sum(kernels.values()) / fl, "by_kernel": kernels}
 
 

@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: timing (CUDA events after warm-up, the median), the record every results
+"""Shared by the benchmarks: timing (CUDA events after warm-up, the median; the kernels' own times under
+the profiler), the record every results
 JSON starts with (GPU, versions, command, date, commit: `env_record`), and writing that JSON."""
 
 from __future__ import annotations
@@ -39,6 +40,18 @@ def timed(fn, warmup: int, reps: int, device: str = "cuda") -> float:
             fn()
             ms.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(ms)
+
+
+def kernel_times(fn, reps: int = 1) -> dict[str, float]:
+    """Milliseconds per call of each CUDA kernel fn launches (names cut at 48 characters), summed under the
+    profiler over `reps` calls: the GPU's own time. Event timing of a call also counts the gaps where the
+    GPU waits for the host's launches, which dominate an op of a millisecond or two."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key.split("(")[0][:48]: round(e.device_time_total / 1e3 / reps, 3) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0}
 
 
 def commit() -> str | None:
