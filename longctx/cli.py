@@ -493,7 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--host-gib", type=float, help="with --gpus or --fit: host memory per GPU (default: the --gpu entry's)")
     m.add_argument("--fit", action="store_true", help="the smallest cluster of 8, 16, 32, ... GPUs on which the step fits, "
                    "with the parallel layout and the dominant term")
-    m.add_argument("--gpu", default="h200")
+    m.add_argument("--gpu", default="h200", help="the GPU whose memory the plan fits: h200, h100, b200 or cpu "
+                   "(default h200)")
     m.add_argument("--set", action="append", metavar="SWITCH=VALUE", help="force a memory switch, e.g. offload=0")
     m.add_argument("--kernel", action="append", metavar="OP=BACKEND",
                    help="a kernel setting of the run, as the training config's kernels.OP, e.g. mhc=torch "

@@ -203,7 +203,7 @@ FLAGS = {
                  "--seed": INTS, "--prompt": st.one_of(ODD, st.text(max_size=20)), "--device": DEVICES,
                  "--tokenizer": TOKENIZERS, "--checkpoint": CHECKPOINTS},
     "estimate": {"--seq-len": st.one_of(st.integers(-3, 5), st.sampled_from([-10**12, 65536, 2**20])).map(str),
-                 "--cp": INTS, "--gpu": st.one_of(st.sampled_from(["h200", "b200", "cpu"]), ODD),
+                 "--cp": INTS, "--gpu": st.one_of(st.sampled_from(["h200", "h100", "b200", "cpu"]), ODD),
                  "--preset": st.one_of(st.sampled_from(["tiny", "small", "h200-ref", "glm-5.3-flash", "h200-curriculum"]), ODD),
                  "--set": st.one_of(st.sampled_from(["offload=0", "offload=maybe", "recompute=on", "seq_chunk=-1", "="]), ODD),
                  "--kernel": st.one_of(st.sampled_from(["mhc=auto", "mhc=torch", "mhc=liger", "kda_norm=fla", "kda=triton",

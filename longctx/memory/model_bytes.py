@@ -49,8 +49,10 @@ from ..ops.indexer import auto_method, compact_group
 from .plan import MemoryPlan
 
 GIB = 2**30
-GPUS = {"h200": {"memory": 139.8 * GIB, "host": 125 * GIB}, "b200": {"memory": 178 * GIB, "host": 1000 * GIB},
-        "cpu": {"memory": 24 * GIB, "host": 24 * GIB}}
+# A GPU's memory as torch reports it (`total_memory`); host memory per GPU as on the machines measured here
+# (the lent H100 and H200 have 128 GiB; a B200 node's share is larger).
+GPUS = {"h200": {"memory": 139.8 * GIB, "host": 125 * GIB}, "h100": {"memory": 79.18 * GIB, "host": 125 * GIB},
+        "b200": {"memory": 178 * GIB, "host": 1000 * GIB}, "cpu": {"memory": 24 * GIB, "host": 24 * GIB}}
 # The estimate is of the peak *allocated* bytes (what bench/memory.py compares it with). What the allocator
 # reserves is more: reserved over allocated at the peak on the H200 (bench/results/memory.json's two peak
 # columns) is 1.01-1.04 for the all-on runs with expandable segments, up to 1.16 where a large transient
