@@ -45,31 +45,23 @@ def split3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a @ b of bf16 matrices with fp32 accumulation, returned in `out_dtype`."""
+    """a @ b of bf16 matrices (or batches of them) with fp32 accumulation, returned in `out_dtype`."""
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=out_dtype) if out_dtype != a.dtype else torch.mm(a, b)
+        mm = torch.bmm if a.dim() == 3 else torch.mm
+        return mm(a, b, out_dtype=out_dtype) if out_dtype != a.dtype else mm(a, b)
     return (a.float() @ b.float()).to(out_dtype)
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Batched a @ b of bf16 matrices with fp32 accumulation and fp32 output."""
-    if a.is_cuda:
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
 def _weight_grad(gs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """gs^T x in fp32 for bf16 gs [t, n] and x [t, H], summed over t in pieces of TOKEN_CHUNK tokens
-    (one batched matmul, the strided views passed as they are) and the pieces added in fp32."""
+    """gs^T x in fp32 for bf16 gs [t, n] and x [t, H]: the whole pieces of TOKEN_CHUNK tokens as one batched
+    matmul (the strided views passed as they are), their sums and the ragged tail's added in fp32."""
     t = x.shape[0]
     full = t - t % TOKEN_CHUNK
-    out = None
+    out = _mm(gs[full:].t(), x[full:], torch.float32)
     if full:
-        a = gs[:full].view(full // TOKEN_CHUNK, TOKEN_CHUNK, -1).transpose(1, 2)
-        out = _bmm(a, x[:full].reshape(full // TOKEN_CHUNK, TOKEN_CHUNK, -1)).sum(0)
-    if full < t or out is None:
-        tail = _mm(gs[full:].t(), x[full:], torch.float32)
-        out = tail if out is None else out + tail
+        n = full // TOKEN_CHUNK
+        a, b = gs[:full].view(n, TOKEN_CHUNK, -1).transpose(1, 2), x[:full].reshape(n, TOKEN_CHUNK, -1)
+        out += _mm(a, b, torch.float32).sum(0)
     return out
 
 
