@@ -42,8 +42,8 @@ def test_bf16x3_router_matches_the_fp32_twin(t, hidden, E):
             "gx": (_rel(gx, dyd @ wd), _rel(gx_t, dyd @ wd))}
     print(t, hidden, E, errs)
     # cuBLAS's bf16 matmuls accumulate less exactly than its fp32 ones, the error growing with the sum's
-    # length K (measured on the H100: 1.6e-6 at K = 1536, 4.4e-6 at 4096; the fp32 twin ~7e-7): `hidden`
-    # terms for the logits, TOKEN_CHUNK tokens for the weight's gradient. Bound: 2.5x that rate.
+    # length K (about 1e-9 K on Hopper, docs/design/moe.md): `hidden` terms for the logits, TOKEN_CHUNK
+    # tokens for the weight's gradient. The bound allows 2.5x that rate.
     from longctx.ops.router.bf16x3 import TOKEN_CHUNK
 
     for k, K in (("y", hidden), ("gw", min(t, TOKEN_CHUNK))):

@@ -11,11 +11,10 @@ next 8 bits of fp32's 24-bit significand; `split3`), and the product runs on the
 matmul with fp32 output (`torch.mm(..., out_dtype=torch.float32)`: cuBLAS, fp32 accumulation) against
 the stacked [3E, hidden] pieces, the three column blocks summed smallest first. A product of two bf16
 values is exact in fp32, so the pieces lose nothing; what differs from an fp32 matmul is the accumulation.
-cuBLAS's bf16 matmuls accumulate less exactly than its fp32 ones on the H100 (measured by
-tests/ops/test_router_gpu.py against fp64: logits 1.6e-6 relative at hidden 1536 and 4.4e-6 at 4096, where
-the fp32 matmul gives 7e-7; a weight gradient summed over 131,072 tokens in one matmul 1.3e-5), so sums
-over many tokens run in pieces of `TOKEN_CHUNK` with fp32 adds between them. Against bf16 logits' ~4e-3
-this is still fp32-class: the experts chosen are the twin's but for near ties.
+cuBLAS's bf16 matmuls accumulate less exactly than its fp32 ones, the error growing with the sum's length
+(docs/design/moe.md gives the figures), so sums over many tokens run in pieces of `TOKEN_CHUNK` with fp32
+adds between them. Against bf16 logits' ~4e-3 this is still fp32-class: the experts chosen are the twin's
+but for near ties.
 
 Backward: dW = g^T x with g split the same way (three bf16 pieces of [t, E]; one batched matmul over
 pieces of `TOKEN_CHUNK` tokens, fp32 output, the pieces summed in fp32); dx = g W straight into bf16 as
