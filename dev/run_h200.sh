@@ -4,7 +4,7 @@
 #   bash dev/run_h200.sh tests e2e           # the GPU test files below, then the 128k end-to-end check
 #   bash dev/run_h200.sh sparse indexer kda  # kernel benchmarks: bench/<name>.py --out $OUT
 #   bash dev/run_h200.sh step1m              # 8k warm-up, one 1M-token step, baseline's longest context, host memory
-# Parts: tests e2e sparse indexer kda mhc mhc_enter router fused_loss hostbuf fp32_parity memory step1m offload rl installed profile peak host
+# Parts: tests e2e sparse atomics indexer kda mhc mhc_enter router fused_loss hostbuf fp32_parity memory step1m offload rl installed profile peak host
 # switches variants trees sft, and kernels (= tests e2e kda) and extras (= offload switches). Results go to $OUT (the device
 # tool's, else bench/out/h200); each benchmark writes its JSON there (bench/results/<name>.json is the
 # tracked copy the README's table reads: copy a run's JSON over it, then `python bench/make_table.py --write`).
@@ -73,6 +73,10 @@ indexer)
   # the indexer's Triton path and the torch twins at 32k and 128k, and the probe of the Triton path's parts
   # (INDEXER_ARGS; "" for 8k..1M, --sweep for the score kernel's tile configs)
   timeout $(left) python bench/indexer.py --out "$OUT" ${INDEXER_ARGS---quick --probe} > "$OUT/indexer.log" 2>&1; tail -4 "$OUT/indexer.log"
+  ;;
+atomics)
+  # the sparse backward's dKV atomics alone, its other work alone, and the two side by side (bench/sparse_atomics.py)
+  timeout $(left 240) python bench/sparse_atomics.py --out "$OUT" > "$OUT/sparse_atomics.log" 2>&1; tail -4 "$OUT/sparse_atomics.log"
   ;;
 kda)
   timeout $(left) python bench/kda.py --out "$OUT" > "$OUT/kda.log" 2>&1; tail -5 "$OUT/kda.log"
@@ -200,6 +204,6 @@ variants)
     rm -f "$OUT/$d/memory.png"  # the device tool returns at most 8 files: keep the JSON
   done
   ;;
-*) echo "usage: dev/run_h200.sh PART... with PART in tests e2e sparse indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload rl profile peak host switches variants trees sft kernels extras"; exit 2 ;;
+*) echo "usage: dev/run_h200.sh PART... with PART in tests e2e sparse atomics indexer kda mhc fused_loss hostbuf fp32_parity memory step1m offload rl profile peak host switches variants trees sft kernels extras"; exit 2 ;;
 esac
 done

@@ -184,5 +184,20 @@ def test_backward_rejects_mismatched_saved_tensors():
             sparse_attention_bwd(q, kv, idx, args[0], args[1], args[2], 0.1)
 
 
+def test_bench_sparse_atomics_cpu_smoke(tmp_path):
+    """bench/sparse_atomics.py's probe under the interpreter: its compute role runs the backward's products (the
+    same dq) and its atomics role adds to the rows the backward adds to, so its timings split the real kernel."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, str(root / "bench" / "sparse_atomics.py"), "--cpu-smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    smoke = json.loads((tmp_path / "sparse_atomics_cpu_smoke.json").read_text())["smoke"]
+    assert smoke["dq_rel_err"] < 1e-6 and smoke["atomics_rows_match"]
+
+
 if __name__ == "__main__":
     _run_cases()
