@@ -93,9 +93,8 @@ def _probe(Q, KV, IDX, O, DO, LSE, DQ, DKV, SINK, qk_scale, scale, K: tl.constex
 def inputs(S: int, device: str, k: int = K):
     g = torch.Generator(device=device).manual_seed(0)
     idx = causal_pool_indices(S, k, device=device, generator=g)
-    last = torch.iinfo(torch.int32).max  # -1 slots last, the rest ascending (the indexer's order)
-    idx = torch.sort(torch.where(idx < 0, last, idx), 1).values
-    idx = torch.where(idx == last, -1, idx).to(torch.int32).contiguous()
+    idx = torch.where(idx >= 0, idx, S).sort(1).values  # rows ascending (the indexer's order), unused slots last
+    idx = torch.where(idx == S, -1, idx).to(torch.int32).contiguous()
     q = torch.randn(S, H, D, device=device, generator=g).bfloat16()
     kv = torch.randn(S, D, device=device, generator=g).bfloat16()
     do = torch.randn(S, H, D, device=device, generator=g).bfloat16()
