@@ -2,6 +2,7 @@
 
     python bench/sparse_attention.py --out DIR [--quick] [--seqlens 32768,131072] [--heads 16,64] [--sweep]
     python bench/sparse_attention.py --out DIR --union-only     # today's kernel (G = 1) vs the union mode
+    python bench/sparse_attention.py --out DIR --union-tiles    # the G = 4 union kernels' tiles at 16 heads
 
 Sparse problem: q [1,S,H,512] bf16, kv [1,S,512], K=2051 DSA-like causal indices (512 pools of 4
 earlier tokens + the visible tail). TFLOP/s use the nominal count 2*K*H*(512+512) per query for the
@@ -15,6 +16,10 @@ indexer of a random-init h200-ref DSA layer on embedded stdlib text) and `traine
 bench/results/union_size.json). Each row records U_G/k, the cost model's G and its prediction, and the
 measured build, fwd and bwd ms of every G timed. Writes DIR/sparse_attention.json (or
 DIR/sparse_attention_union.json with --union-only).
+`--union-tiles`: the G = 4 union forward and backward at 16 heads under each tile config of UNION_TILES
+(rows a program, slots an iteration, warps; fewer rows than G x H means several programs a group) on the
+trained-like and random selections, beside the per-query kernels, each checked against them (relative
+difference of o, dq, dkv) with its registers and spills: DIR/sparse_attention_union_tiles.json.
 """
 
 from __future__ import annotations
@@ -174,6 +179,56 @@ def union_comparison(seqlens, heads, warmup, reps) -> list:
     return rows
 
 
+# (BLOCK_H, BLOCK_N, num_warps) for the G = 4 x 16-head union kernels; None = the launch config (`triton._cfg`)
+UNION_TILES = {"fwd": [None, (32, 32, 4), (64, 16, 8)],
+               "bwd": [None, (64, 16, 8), (32, 32, 8), (32, 16, 8), (16, 16, 4)]}
+
+
+def union_tiles(seqlens, warmup, reps, G=4, H=16) -> list:
+    """Each tile config of the union kernels on one selection: ms, registers, spills, and the difference from
+    the per-query kernel's o, dq and dkv (the config changes only the order of the sums)."""
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    rows = []
+    for S in seqlens:
+        g = torch.Generator(device=DEV).manual_seed(0)
+        work = {"trained_like": persistent_pool_indices(S, K, trained_like_redraw(), device=DEV, generator=g)[None],
+                "random": causal_pool_indices(S, K, device=DEV, generator=g)[None]}
+        q = torch.randn(1, S, H, D, device=DEV, dtype=torch.bfloat16, generator=g)
+        kv = torch.randn(1, S, D, device=DEV, dtype=torch.bfloat16, generator=g)
+        do = torch.randn(1, S, H, D, device=DEV, dtype=torch.bfloat16, generator=g)
+        scale = D**-0.5
+        for name, idx in work.items():
+            o1, lse1 = tk.sparse_attention_fwd(q, kv, idx, scale, group=1)
+            dq1, dkv1 = tk.sparse_attention_bwd(q, kv, idx, o1, lse1, do, scale, group=1)
+            u = un.build_union(idx, G, S)
+            r = {"S": S, "H": H, "G": G, "workload": name,
+                 "ratio": float(u.length.sum()) * G / float(((idx >= 0) & (idx < S)).sum()),
+                 "per_query_fwd_ms": timed(lambda: tk.sparse_attention_fwd(q, kv, idx, scale, group=1), warmup, reps, DEV),
+                 "per_query_bwd_ms": timed(lambda: tk.sparse_attention_bwd(q, kv, idx, o1, lse1, do, scale, group=1),
+                                           warmup, reps, DEV),
+                 "tiles": []}
+            for which, tiles in UNION_TILES.items():
+                for tile in tiles:
+                    cfg = None if tile is None else dict(zip(("BLOCK_H", "BLOCK_N", "num_warps"), tile))
+                    if which == "fwd":
+                        run = lambda: tk.union_attention_fwd(q, kv, u, scale, cfg)  # noqa: E731
+                        diff = {"o": rel(run()[0], o1)}
+                    else:
+                        run = lambda: tk.union_attention_bwd(q, kv, u, o1, lse1, do, scale, cfg)  # noqa: E731
+                        dq, dkv = run()
+                        diff = {"dq": rel(dq, dq1), "dkv": rel(dkv, dkv1)}
+                    t = {"which": which, "ms": timed(run, warmup, reps, DEV), "rel_vs_per_query": diff,
+                         "kernel": {k: v for k, v in tk.LAST_LAUNCH[which].items()
+                                    if k in ("BLOCK_H", "BLOCK_N", "num_warps", "n_regs", "n_spills")}}
+                    print(f"union tiles S={S} {name} {which} {t}", flush=True)
+                    r["tiles"].append(t)
+            rows.append(r)
+            del u
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 def dense_case(S, H, warmup, reps):
     """Causal SDPA fwd+bwd, H heads of 128, with the flash and the cuDNN backends (cuDNN is
     faster on Hopper); the comparison uses the faster one."""
@@ -222,7 +277,12 @@ def main():
     ap.add_argument("--union", action="store_true", help="also compare today's kernel with the union mode")
     ap.add_argument("--union-only", action="store_true", help="only the union comparison (S=32k,128k; H=16,64)")
     ap.add_argument("--union-seqlens", default="32768,131072")
+    ap.add_argument("--union-tiles", action="store_true", help="only the union kernels' tile configs (G = 4, H = 16)")
     args = ap.parse_args()
+    if args.union_tiles:
+        res = {**env_record(), "D": D, "K": K, "union_tiles": union_tiles([int(s) for s in args.union_seqlens.split(",")], 1, 3)}
+        write_results(args.out, "sparse_attention_union_tiles.json", res)
+        return
     if args.union_only:
         res = {**env_record(), "D": D, "K": K, "cost_model": {"fwd_ns": un.COST_FWD, "bwd_ns": un.COST_BWD,
                                                               "build_ns": un.COST_BUILD, "margin": un.MARGIN}}
