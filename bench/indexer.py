@@ -436,7 +436,7 @@ def main():
     if args.probe:
         results["two_phase_probe"] = []
         for S in seqlens:
-            r = two_phase_probe(S, *heads[0], K, dev, chunk=chunk)
+            r = two_phase_probe(S, *heads[0], K, dev, chunk=chunk, **({"warmup": warmup, "reps": reps} if dev.cpu else {}))
             dev.free()  # its buffers went with the call
             print(json.dumps(r), flush=True)
             results["two_phase_probe"].append(r)
