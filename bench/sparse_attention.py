@@ -3,6 +3,7 @@
     python bench/sparse_attention.py --out DIR [--quick] [--seqlens 32768,131072] [--heads 16,64] [--sweep]
     python bench/sparse_attention.py --out DIR --union-only     # today's kernel (G = 1) vs the union mode
     python bench/sparse_attention.py --out DIR --union-tiles    # the G = 4 union kernels' tiles at 16 heads
+    TRITON_INTERPRET=1 python bench/sparse_attention.py --out DIR --union-tiles --cpu-smoke   # small, fp32, CPU
 
 Sparse problem: q [1,S,H,512] bf16, kv [1,S,512], K=2051 DSA-like causal indices (512 pools of 4
 earlier tokens + the visible tail). TFLOP/s use the nominal count 2*K*H*(512+512) per query for the
@@ -25,6 +26,7 @@ difference of o, dq, dkv) with its registers and spills: DIR/sparse_attention_un
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -184,19 +186,20 @@ UNION_TILES = {"fwd": [None, (32, 32, 4), (64, 16, 8)],
                "bwd": [None, (64, 16, 8), (32, 32, 8), (32, 16, 8), (16, 16, 4)]}
 
 
-def union_tiles(seqlens, warmup, reps, G=4, H=16) -> list:
+def union_tiles(seqlens, warmup, reps, G=4, H=16, k=K, d=D, dtype=torch.bfloat16) -> list:
     """Each tile config of the union kernels on one selection: ms, registers, spills, and the difference from
-    the per-query kernel's o, dq and dkv (the config changes only the order of the sums)."""
+    the per-query kernel's o, dq and dkv (the config changes only the order of the sums). k, d, dtype: the
+    CPU smoke's small fp32 problem."""
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
     rows = []
     for S in seqlens:
         g = torch.Generator(device=DEV).manual_seed(0)
-        work = {"trained_like": persistent_pool_indices(S, K, trained_like_redraw(), device=DEV, generator=g)[None],
-                "random": causal_pool_indices(S, K, device=DEV, generator=g)[None]}
-        q = torch.randn(1, S, H, D, device=DEV, dtype=torch.bfloat16, generator=g)
-        kv = torch.randn(1, S, D, device=DEV, dtype=torch.bfloat16, generator=g)
-        do = torch.randn(1, S, H, D, device=DEV, dtype=torch.bfloat16, generator=g)
-        scale = D**-0.5
+        work = {"trained_like": persistent_pool_indices(S, k, trained_like_redraw(), device=DEV, generator=g)[None],
+                "random": causal_pool_indices(S, k, device=DEV, generator=g)[None]}
+        q = torch.randn(1, S, H, d, device=DEV, generator=g).to(dtype)
+        kv = torch.randn(1, S, d, device=DEV, generator=g).to(dtype)
+        do = torch.randn(1, S, H, d, device=DEV, generator=g).to(dtype)
+        scale = d**-0.5
         for name, idx in work.items():
             o1, lse1 = tk.sparse_attention_fwd(q, kv, idx, scale, group=1)
             dq1, dkv1 = tk.sparse_attention_bwd(q, kv, idx, o1, lse1, do, scale, group=1)
@@ -263,6 +266,7 @@ def sparse_bytes(S, H, bwd):
 
 
 def main():
+    global DEV  # --cpu-smoke runs the union comparison's helpers on the CPU
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="S=32k only, few reps (< 60 s)")
@@ -278,18 +282,34 @@ def main():
     ap.add_argument("--union-only", action="store_true", help="only the union comparison (S=32k,128k; H=16,64)")
     ap.add_argument("--union-seqlens", default="32768,131072")
     ap.add_argument("--union-tiles", action="store_true", help="only the union kernels' tile configs (G = 4, H = 16)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="with --union-tiles: a tiny fp32 problem on the CPU under TRITON_INTERPRET=1")
     args = ap.parse_args()
+    if args.cpu_smoke:
+        if not args.union_tiles or os.environ.get("TRITON_INTERPRET") != "1":
+            print("error: --cpu-smoke runs --union-tiles' kernels in the interpreter; pass --union-tiles and set "
+                  "TRITON_INTERPRET=1.", file=sys.stderr)
+            return 2
+        DEV = "cpu"
+        res = {**env_record("cpu (TRITON_INTERPRET=1 smoke)"),
+               "union_tiles": union_tiles([40], 0, 1, k=11, d=32, dtype=torch.float32)}
+        write_results(args.out, "sparse_attention_union_tiles_cpu_smoke.json", res)
+        return 0
+    if not torch.cuda.is_available():
+        print("error: the benchmark times CUDA kernels and this machine has no GPU; on a CPU, "
+              "TRITON_INTERPRET=1 ... --union-tiles --cpu-smoke runs the union kernels' tiles small.", file=sys.stderr)
+        return 2
     if args.union_tiles:
         res = {**env_record(), "D": D, "K": K, "union_tiles": union_tiles([int(s) for s in args.union_seqlens.split(",")], 1, 3)}
         write_results(args.out, "sparse_attention_union_tiles.json", res)
-        return
+        return 0
     if args.union_only:
         res = {**env_record(), "D": D, "K": K, "cost_model": {"fwd_ns": un.COST_FWD, "bwd_ns": un.COST_BWD,
                                                               "build_ns": un.COST_BUILD, "margin": un.MARGIN}}
         res["union"] = union_comparison([int(s) for s in args.union_seqlens.split(",")],
                                         [int(h) for h in args.heads.split(",")], 1, 3)
         write_results(args.out, "sparse_attention_union.json", res)
-        return
+        return 0
 
     seqlens = [32768] if args.quick else [int(s) for s in args.seqlens.split(",")]
     if args.max_seqlen:
@@ -356,4 +376,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -325,5 +325,33 @@ def test_union_rejects_a_union_of_other_queries():
         union_attention_fwd(torch.randn(1, 6, 2, 32), torch.randn(1, 8, 32), u, 0.1)
 
 
+def test_bench_union_tiles_cpu_smoke(tmp_path):
+    """bench/sparse_attention.py --union-tiles --cpu-smoke: every tile config of the union kernels (several
+    programs a group among them) gives the per-query kernel's o, dq and dkv on both selections, in fp32 under
+    the interpreter, and the benchmark records each with the tiles that ran."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "bench" / "sparse_attention.py"), "--union-tiles", "--out", str(tmp_path)]
+    r = subprocess.run([*cmd, "--cpu-smoke"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "sparse_attention_union_tiles_cpu_smoke.json").read_text())["union_tiles"]
+    assert [w["workload"] for w in rows] == ["trained_like", "random"]
+    for w in rows:
+        assert w["ratio"] >= 1.0
+        ran = [(t["which"], *(t["kernel"][c] for c in ("BLOCK_H", "BLOCK_N", "num_warps"))) for t in w["tiles"]]
+        assert len(set(ran)) == len(ran) == 8, ran
+        assert all(v < 1e-5 for t in w["tiles"] for v in t["rel_vs_per_query"].values()), w["tiles"]
+    # without the interpreter the smoke is refused in one sentence
+    r = subprocess.run([*cmd, "--cpu-smoke"], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "TRITON_INTERPRET=1" in r.stderr
+
+
 if __name__ == "__main__":
     _run_cases()
