@@ -86,27 +86,32 @@ def _evals(out):
 # the first loss by far more).
 @pytest.mark.parametrize("parallel,mesh,tol", [((), "dp 2 x cp 1", 1e-5), (("parallel.cp=2",), "dp 1 x cp 2", 3e-4),
                                                (("parallel.cp=2", "parallel.kda_cp=chunk_state"), "dp 1 x cp 2", 1e-5)])
-def test_two_processes_under_torchrun_equal_one(tmp_path, one_process, parallel, mesh, tol):
+def test_two_processes_under_torchrun_equal_one(tmp_path, request, one_process, parallel, mesh, tol):
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
     sets = [*SETS, *parallel]
-    two = _train(tmp_path / "dp2", *TORCHRUN, sets=sets)
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    if not parallel:  # plain dp 2 is the module's run of SETS by 2 processes
+        run, stdout = request.getfixturevalue("two_processes_run")
+    else:
+        run = tmp_path / "dp2"
+        two = _train(run, *TORCHRUN, sets=sets)
+        assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+        stdout = two.stdout
 
-    a, b = _steps(one_process), _steps(tmp_path / "dp2")
+    a, b = _steps(one_process), _steps(run)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4, 5]
     assert abs(a[0]["loss"] - b[0]["loss"]) <= 1e-5 * abs(a[0]["loss"]), (a[0]["loss"], b[0]["loss"])  # no update yet
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= tol * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
         assert len(y["peak_gib_ranks"]) == 2 and "peak_gib_ranks" not in x
-    ea, eb = _evals(one_process), _evals(tmp_path / "dp2")  # the evaluation runs whole sequences on every rank
+    ea, eb = _evals(one_process), _evals(run)  # the evaluation runs whole sequences on every rank
     assert len(ea) == len(eb) == 2 and all(abs(x - y) <= tol * abs(x) for x, y in zip(ea, eb)), (ea, eb)
-    lines = two.stdout.splitlines()
+    lines = stdout.splitlines()
     assert f"mesh {mesh} (2 processes)" in lines[0], lines[0]
     assert sum(line.startswith("step 1/5 ") for line in lines) == 1  # rank 0 alone prints
-    ck = os.path.realpath(tmp_path / "dp2" / "checkpoint")
+    ck = os.path.realpath(run / "checkpoint")
     assert os.path.basename(ck) == "ckpt-000005" and {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ck))
 
     # the sharded checkpoint resumes: a run one step shorter, continued by --resume, takes the same last step
@@ -183,8 +188,9 @@ def test_a_rank_other_than_0_says_the_error_rank_0_did_not_meet(monkeypatch, cap
 
 # ---------------------------------------------------------------------------------- across world sizes
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    """The run of SETS by 2 processes (dp 2): sharded checkpoints of steps 3 (end of stage 0) and 5."""
+def two_processes_run(tmp_path_factory):
+    """The run of SETS by 2 processes (dp 2): its folder, with sharded checkpoints of steps 3 (end of stage 0)
+    and 5, and what it printed."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
@@ -192,7 +198,12 @@ def two_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("two")
     r = _train(out, *TORCHRUN)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return out
+    return out, r.stdout
+
+
+@pytest.fixture(scope="module")
+def two_processes(two_processes_run):
+    return two_processes_run[0]
 
 
 def _rolled_back(src, dst, step: int):
