@@ -110,13 +110,22 @@ def indexer_selection(S: int, seed: int = 0) -> torch.Tensor:
         return layer.indexer.select(x, q_latent)
 
 
+def _q_kv_do(S, H, d, dtype, g):
+    """The union comparisons' random q [1,S,H,d], kv [1,S,d] and dO on DEV."""
+    return (torch.randn(1, S, H, d, device=DEV, dtype=dtype, generator=g),
+            torch.randn(1, S, d, device=DEV, dtype=dtype, generator=g),
+            torch.randn(1, S, H, d, device=DEV, dtype=dtype, generator=g))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
 def union_case(S, H, idx, groups, warmup, reps):
     """Today's kernel (G = 1) and each union G in `groups` on one selection: ms of build/fwd/bwd, U_G/k
     (exact, from the built union) and the model's choice (from its sampled estimate) and prediction."""
     g = torch.Generator(device=DEV).manual_seed(1)
-    q = torch.randn(1, S, H, D, device=DEV, dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(1, S, D, device=DEV, dtype=torch.bfloat16, generator=g)
-    do = torch.randn(1, S, H, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    q, kv, do = _q_kv_do(S, H, D, torch.bfloat16, g)
     scale = D**-0.5
     k = float(((idx >= 0) & (idx < S)).sum()) / S
     sampled = un.union_sizes(idx, S)
@@ -141,8 +150,7 @@ def union_case(S, H, idx, groups, warmup, reps):
         r["bwd_ms"] = timed(lambda: tk.union_attention_bwd(q, kv, u, o, lse, do, scale), warmup, reps, DEV)
         r["bwd_kernel"] = dict(tk.LAST_LAUNCH.get("bwd", {}))
         dq, dkv = tk.union_attention_bwd(q, kv, u, o, lse, do, scale)
-        rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
-        r["rel_vs_G1"] = {"o": rel(o, o1), "dq": rel(dq, dq1), "dkv": rel(dkv, dkv1)}
+        r["rel_vs_G1"] = {"o": _rel(o, o1), "dq": _rel(dq, dq1), "dkv": _rel(dkv, dkv1)}
         r["total_ms"] = r["build_ms"] + r["fwd_ms"] + r["bwd_ms"]
         r["speedup"] = base["total_ms"] / r["total_ms"]
         r["predicted_ms"] = un.predicted_ns_per_query(G, H, ratio, k) * S / 1e6
@@ -190,15 +198,12 @@ def union_tiles(seqlens, warmup, reps, G=4, H=16, k=K, d=D, dtype=torch.bfloat16
     """Each tile config of the union kernels on one selection: ms, registers, spills, and the difference from
     the per-query kernel's o, dq and dkv (the config changes only the order of the sums). k, d, dtype: the
     CPU smoke's small fp32 problem."""
-    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
     rows = []
     for S in seqlens:
         g = torch.Generator(device=DEV).manual_seed(0)
         work = {"trained_like": persistent_pool_indices(S, k, trained_like_redraw(), device=DEV, generator=g)[None],
                 "random": causal_pool_indices(S, k, device=DEV, generator=g)[None]}
-        q = torch.randn(1, S, H, d, device=DEV, generator=g).to(dtype)
-        kv = torch.randn(1, S, d, device=DEV, generator=g).to(dtype)
-        do = torch.randn(1, S, H, d, device=DEV, generator=g).to(dtype)
+        q, kv, do = _q_kv_do(S, H, d, dtype, g)
         scale = d**-0.5
         for name, idx in work.items():
             o1, lse1 = tk.sparse_attention_fwd(q, kv, idx, scale, group=1)
@@ -215,11 +220,11 @@ def union_tiles(seqlens, warmup, reps, G=4, H=16, k=K, d=D, dtype=torch.bfloat16
                     cfg = None if tile is None else dict(zip(("BLOCK_H", "BLOCK_N", "num_warps"), tile))
                     if which == "fwd":
                         run = lambda: tk.union_attention_fwd(q, kv, u, scale, cfg)  # noqa: E731
-                        diff = {"o": rel(run()[0], o1)}
+                        diff = {"o": _rel(run()[0], o1)}
                     else:
                         run = lambda: tk.union_attention_bwd(q, kv, u, o1, lse1, do, scale, cfg)  # noqa: E731
                         dq, dkv = run()
-                        diff = {"dq": rel(dq, dq1), "dkv": rel(dkv, dkv1)}
+                        diff = {"dq": _rel(dq, dq1), "dkv": _rel(dkv, dkv1)}
                     t = {"which": which, "ms": timed(run, warmup, reps, DEV), "rel_vs_per_query": diff,
                          "kernel": {k: v for k, v in tk.LAST_LAUNCH[which].items()
                                     if k in ("BLOCK_H", "BLOCK_N", "num_warps", "n_regs", "n_spills")}}
